@@ -1,0 +1,293 @@
+"""Tokenisation and batching helpers shared by the method scripts (no losses, no training).
+
+- the built-in `arithmetic` task (3-digit addition) and its character-level tokenizer;
+- loading any other dataset (hub id or local .jsonl/.json/.parquet) in TRL's formats, normalised to
+  plain-text rows: {"prompt", "completion"} (SFT), {"prompt", "answer"} (RL), {"prompt", "chosen",
+  "rejected"} (preferences); conversational rows are rendered with the tokenizer's chat template;
+- tokenising, left padding (prompts, for generation) and right padding (completions), collation.
+"""
+
+import os
+import random
+import re
+
+import torch
+
+ARITHMETIC_EVAL_SIZE = 500  # held-out prompts, fixed for every stage and seed
+ARITHMETIC_TRAIN_SIZE = 100_000
+ARITHMETIC_SPLIT_SEED = 1234  # the split never depends on --seed, so every stage evaluates on the same prompts
+
+FORMATS = {
+    "sft": "prompt+completion, messages, text, or question+answer (GSM8K)",
+    "prompt": "prompt (with an optional answer), messages, or question+answer (GSM8K)",
+    "preference": "prompt+chosen+rejected, or chosen+rejected with an implicit shared prompt",
+}
+
+
+class DataError(ValueError):
+    """A user error in the data (missing file, missing column, empty dataset): reported in one line."""
+
+
+# ---------------------------------------------------------------- the built-in arithmetic task
+def arithmetic_pairs(split: str) -> list[tuple[int, int]]:
+    """Operand pairs (a, b), 0 ≤ a, b ≤ 999. `test` is a fixed held-out set, `train` never overlaps it."""
+    rng = random.Random(ARITHMETIC_SPLIT_SEED)
+    held_out = set()
+    while len(held_out) < ARITHMETIC_EVAL_SIZE:
+        held_out.add((rng.randrange(1000), rng.randrange(1000)))
+    if split == "test":
+        return sorted(held_out)
+    pairs = []
+    while len(pairs) < ARITHMETIC_TRAIN_SIZE:
+        pair = (rng.randrange(1000), rng.randrange(1000))
+        if pair not in held_out:
+            pairs.append(pair)
+    return pairs
+
+
+def wrong_sum(a: int, b: int, rng: random.Random) -> int:
+    """A plausible wrong answer to a+b: a dropped carry if the sum has one, else one digit off by ±1."""
+    correct = a + b
+    carries = [i for i in range(3) if (a // 10**i % 10) + (b // 10**i % 10) + _carry_in(a, b, i) >= 10]
+    if carries and rng.random() < 0.5:
+        return correct - 10 ** (rng.choice(carries) + 1)  # forgot to carry one column into the next
+    digits = list(str(correct))
+    i = rng.randrange(len(digits))
+    d = int(digits[i]) + rng.choice([-1, 1])
+    if not 0 <= d <= 9 or (d == 0 and i == 0 and len(digits) > 1):
+        d = int(digits[i]) - (d - int(digits[i]))  # the other direction stays a valid digit
+    digits[i] = str(d)
+    return int("".join(digits))
+
+
+def _carry_in(a: int, b: int, column: int) -> int:
+    return int((a % 10**column) + (b % 10**column) >= 10**column) if column else 0
+
+
+def arithmetic_rows(split: str, kind: str) -> list[dict]:
+    """Rows of the built-in task: `sft` prompt/completion, `prompt` prompt/answer, `preference`."""
+    rng = random.Random(ARITHMETIC_SPLIT_SEED + 1)
+    rows = []
+    for a, b in arithmetic_pairs(split):
+        prompt, answer = f"{a}+{b}=", str(a + b)
+        if kind == "sft":
+            rows.append({"prompt": prompt, "completion": answer, "answer": answer})
+        elif kind == "prompt":
+            rows.append({"prompt": prompt, "answer": answer})
+        else:
+            rows.append({"prompt": prompt, "chosen": answer, "rejected": str(wrong_sum(a, b, rng)), "answer": answer})
+    return rows
+
+
+def build_char_tokenizer():
+    """Character-level tokenizer: printable ASCII + newline, `<pad>` ≠ `<eos>`, no BOS added anywhere."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    # A BPE without merges splits text into single characters; Fuse() stops decode from adding spaces.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+# ---------------------------------------------------------------- answers
+def extract_gsm8k_answer(text: str) -> str:
+    """GSM8K's reference answer: the number after '####', without thousands separators."""
+    return text.split("####")[-1].strip().replace(",", "")
+
+
+def last_number(text: str) -> str | None:
+    """The last number in a completion ('1,234' → '1234'), or None."""
+    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return found[-1].replace(",", "").rstrip(".") if found else None
+
+
+def is_correct(completion: str, answer: str) -> bool:
+    """True when the completion's last number equals the answer (numerically)."""
+    guess = last_number(completion)
+    try:
+        return guess is not None and float(guess) == float(answer)
+    except ValueError:
+        return guess == answer
+
+
+# ---------------------------------------------------------------- loading any dataset
+def is_conversational(value) -> bool:
+    return isinstance(value, list) and len(value) > 0 and isinstance(value[0], dict) and "role" in value[0]
+
+
+def render_chat(tokenizer, messages, add_generation_prompt: bool) -> str:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError("conversational rows (lists of role/content messages) need a tokenizer with a chat template")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    # The template writes BOS itself; drop it so that tokenizer(prompt) adds it exactly once, as for plain text.
+    bos = tokenizer.bos_token
+    return text[len(bos):] if bos and text.startswith(bos) else text
+
+
+def _split_chat(tokenizer, prompt_messages, completion_messages) -> tuple[str, str]:
+    """Renders prompt and prompt+completion; the completion is the text the template appends."""
+    prompt = render_chat(tokenizer, prompt_messages, add_generation_prompt=True)
+    full = render_chat(tokenizer, prompt_messages + completion_messages, add_generation_prompt=False)
+    if not full.startswith(prompt):
+        raise DataError("the chat template renders the prompt differently inside the conversation")
+    return prompt, full[len(prompt):]
+
+
+def _common_prefix(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def load_raw(dataset: str, split: str, config: str | None = None) -> list[dict]:
+    """Rows of a hub dataset or local .jsonl/.json/.parquet file. Without a `test` split the last 10%
+    (at most 500 rows) of `train` are held out, the same rows every time."""
+    import datasets
+
+    ext = os.path.splitext(dataset)[1].lower()
+    if ext in (".jsonl", ".json", ".parquet"):
+        if not os.path.isfile(dataset):
+            raise DataError(f"dataset file not found: {dataset}")
+        try:
+            ds = datasets.load_dataset("parquet" if ext == ".parquet" else "json", data_files=dataset)
+        except Exception as e:  # malformed file: say which and why, in one line
+            raise DataError(f"cannot read dataset file {dataset}: {str(e).splitlines()[0]}") from None
+    else:
+        if config is None and dataset == "openai/gsm8k":
+            config = "main"
+        try:
+            ds = datasets.load_dataset(dataset, config)
+        except Exception as e:
+            raise DataError(f"cannot load dataset '{dataset}': {str(e).splitlines()[0]}") from None
+    if split in ds:
+        rows = ds[split]
+    else:
+        train = ds["train"] if "train" in ds else ds[next(iter(ds))]
+        n_test = min(500, len(train) // 10) if len(train) >= 10 else 0
+        rows = train.select(range(len(train) - n_test, len(train)) if split == "test" else range(len(train) - n_test))
+    return rows.to_list()
+
+
+def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str | None = None) -> list[dict]:
+    """Rows of `dataset` (`arithmetic`, a hub id or a local file) normalised to plain text for `kind`:
+    `sft` → prompt, completion; `prompt` → prompt, answer (None if unknown); `preference` → prompt,
+    chosen, rejected (+ margin if present). Raises DataError, naming the missing column, on a bad format."""
+    assert kind in FORMATS, kind
+    if dataset == "arithmetic":
+        return arithmetic_rows(split, kind)
+    raw = load_raw(dataset, split, config)
+    if not raw:
+        raise DataError(f"dataset '{dataset}' has no rows in its {split} split")
+    columns = list(raw[0])
+
+    def need(*names):
+        for name in names:
+            if name not in columns:
+                raise DataError(
+                    f"dataset '{dataset}' has no column '{name}' (columns: {', '.join(columns)}); "
+                    f"accepted formats for {kind}: {FORMATS[kind]}"
+                )
+
+    out = []
+    for row in raw:
+        if kind == "sft":
+            answer = None
+            if "messages" in columns:
+                msgs = row["messages"]
+                prompt, completion = _split_chat(tokenizer, msgs[:-1], msgs[-1:])
+            elif "question" in columns and "answer" in columns and "prompt" not in columns:  # GSM8K
+                prompt, completion = row["question"] + "\n", row["answer"]
+                answer = extract_gsm8k_answer(row["answer"])
+            elif "text" in columns and "completion" not in columns:
+                prompt, completion = "", row["text"]
+            else:
+                need("prompt", "completion")
+                prompt, completion = row["prompt"], row["completion"]
+                if is_conversational(prompt):
+                    prompt, completion = _split_chat(tokenizer, prompt, completion)
+            out.append({"prompt": prompt, "completion": completion, "answer": answer})
+        elif kind == "prompt":
+            if "question" in columns and "answer" in columns and "prompt" not in columns:
+                question = row["question"]  # GSM8K
+                prompt = [{"role": "user", "content": question}] if tokenizer.chat_template else question + "\n"
+                answer = extract_gsm8k_answer(row["answer"])
+            elif "messages" in columns and "prompt" not in columns:
+                msgs = row["messages"]
+                prompt, answer = msgs[:-1] if msgs[-1]["role"] == "assistant" else msgs, row.get("answer")
+            else:
+                need("prompt")
+                prompt, answer = row["prompt"], row.get("answer")
+            if is_conversational(prompt):
+                prompt = render_chat(tokenizer, prompt, add_generation_prompt=True)
+            out.append({"prompt": prompt, "answer": None if answer is None else str(answer)})
+        else:
+            need("chosen", "rejected")
+            chosen, rejected = row["chosen"], row["rejected"]
+            if "prompt" in columns:
+                prompt = row["prompt"]
+            else:  # implicit prompt: what chosen and rejected share (characters, or whole messages)
+                prompt = _common_prefix(chosen, rejected)
+                chosen, rejected = chosen[len(prompt):], rejected[len(prompt):]
+            if is_conversational(chosen):
+                rejected = _split_chat(tokenizer, prompt, rejected)[1]
+                prompt, chosen = _split_chat(tokenizer, prompt, chosen)
+            pref = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+            if "margin" in columns:
+                pref["margin"] = float(row["margin"])
+            out.append(pref)
+    return out
+
+
+# ---------------------------------------------------------------- tokenising and batching
+def tokenize(tokenizer, texts: list[str], add_eos: bool = False, max_length: int | None = None, left_truncate=False):
+    """Token ids of each text. Prompts keep the tokenizer's own special tokens (e.g. BOS);
+    completions (`add_eos=True`) get none but end with exactly one EOS."""
+    ids = tokenizer(texts, add_special_tokens=not add_eos)["input_ids"]
+    if add_eos:
+        ids = [x if x[-1:] == [tokenizer.eos_token_id] else x + [tokenizer.eos_token_id] for x in ids]
+    if max_length is not None:
+        ids = [x[-max_length:] if left_truncate else x[:max_length] for x in ids]
+    return ids
+
+
+def pad(seqs: list[list[int]], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pads to the longest sequence on the `left` (prompts for generation) or `right` (completions).
+    Returns (ids [B, L], mask [B, L]); the mask marks real tokens, so it never depends on pad_id ≠ EOS."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        sl = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+        ids[i, sl] = torch.tensor(s, dtype=torch.long)
+        mask[i, sl] = 1
+    return ids, mask
+
+
+def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> dict:
+    """[left-padded prompts | right-padded completions] in one batch. The logits that predict the
+    completion are `logits[:, P - 1 : -1]` with P = prompt_ids.shape[1]; `completion_mask` is [B, T]."""
+    prompt_ids, prompt_mask = pad(prompts, pad_id, "left")
+    completion_ids, completion_mask = pad(completions, pad_id, "right")
+    return {
+        "input_ids": torch.cat([prompt_ids, completion_ids], 1),
+        "attention_mask": torch.cat([prompt_mask, completion_mask], 1),
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+    }
+
+
+def shuffled_batches(n: int, batch_size: int, seed: int):
+    """Endless index batches: a new permutation of range(n) each epoch, the same for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(n, generator=g).tolist()
+        for i in range(0, n - batch_size + 1 if n >= batch_size else 1, batch_size):
+            yield order[i : i + batch_size]

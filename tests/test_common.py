@@ -1,0 +1,209 @@
+"""common.py: the built-in task, the character tokenizer, every dataset format, padding and collation."""
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import common
+from conftest import run_script
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.fixture
+def chat_tokenizer():
+    tok = common.build_char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def write(path, rows):
+    if path.suffix == ".parquet":
+        pd.DataFrame(rows).to_parquet(path)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+# ---------------------------------------------------------------- built-in task
+def test_arithmetic_splits_fixed_and_disjoint():
+    train, test = common.arithmetic_pairs("train"), common.arithmetic_pairs("test")
+    assert len(test) == common.ARITHMETIC_EVAL_SIZE and len(train) == common.ARITHMETIC_TRAIN_SIZE
+    assert not set(train) & set(test)
+    assert test == common.arithmetic_pairs("test")  # the same held-out prompts every time
+    assert all(0 <= a <= 999 and 0 <= b <= 999 for a, b in train[:1000] + test)
+
+
+def test_arithmetic_rows_each_kind():
+    sft = common.arithmetic_rows("test", "sft")[0]
+    a, b = map(int, sft["prompt"][:-1].split("+"))
+    assert sft["prompt"].endswith("=") and sft["completion"] == sft["answer"] == str(a + b)
+    rl = common.arithmetic_rows("test", "prompt")[0]
+    assert rl == {"prompt": sft["prompt"], "answer": sft["answer"]}
+
+
+def test_rejected_answers_are_plausible_slips():
+    rows = common.arithmetic_rows("train", "preference")[:3000]
+    kinds = set()
+    for r in rows:
+        chosen, rejected = int(r["chosen"]), int(r["rejected"])
+        assert rejected != chosen and rejected >= 0 and r["chosen"] == r["answer"]
+        diff = abs(chosen - rejected)
+        # a dropped carry or one digit ±1: the answers differ by a single power of ten
+        assert diff in (1, 10, 100, 1000), (r, diff)
+        kinds.add(diff)
+    assert kinds == {1, 10, 100, 1000}
+
+
+# ---------------------------------------------------------------- tokenizer
+def test_char_tokenizer_round_trip(tmp_path):
+    tok = common.build_char_tokenizer()
+    assert tok.pad_token_id != tok.eos_token_id
+    ids = tok("123+458=")["input_ids"]
+    assert len(ids) == 8 and tok.eos_token_id not in ids  # one id per character, no BOS/EOS added
+    assert tok.decode(ids) == "123+458="  # no spaces inserted between characters
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert again("12 + x\n")["input_ids"] == tok("12 + x\n")["input_ids"]
+    assert (again.pad_token_id, again.eos_token_id) == (tok.pad_token_id, tok.eos_token_id)
+
+
+def test_tokenize_adds_exactly_one_eos_and_truncates():
+    tok = common.build_char_tokenizer()
+    eos = tok.eos_token_id
+    assert common.tokenize(tok, ["58"], add_eos=True) == [[tok.convert_tokens_to_ids("5"), tok.convert_tokens_to_ids("8"), eos]]
+    assert common.tokenize(tok, ["58<eos>"], add_eos=True)[0].count(eos) == 1
+    assert common.tokenize(tok, ["12345"], max_length=2, left_truncate=True) == common.tokenize(tok, ["45"])
+    assert common.tokenize(tok, ["12345"], max_length=2) == common.tokenize(tok, ["12"])
+
+
+# ---------------------------------------------------------------- padding and collation
+def test_pad_left_and_right():
+    ids, mask = common.pad([[5, 6, 7], [8]], pad_id=0, side="left")
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    ids, mask = common.pad([[5, 6, 7], [8]], pad_id=0, side="right")
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_pad_mask_does_not_depend_on_pad_equal_to_eos():
+    eos = 1
+    ids, mask = common.pad([[4, eos], [eos]], pad_id=eos, side="right")
+    assert mask.tolist() == [[1, 1], [1, 0]]  # the EOS of row 2 is real, its padding is not
+
+
+def test_collate_layout():
+    batch = common.collate([[1, 2, 3], [4]], [[7, 8], [9, 10, 11]], pad_id=0)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 7, 8, 0], [0, 0, 4, 9, 10, 11]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert batch["completion_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+    P = batch["prompt_ids"].shape[1]
+    # position P-1+t of input_ids is followed by completion token t
+    assert torch.equal(batch["input_ids"][:, P:], batch["completion_ids"])
+
+
+def test_shuffled_batches_deterministic_and_cover_each_epoch():
+    a, b = common.shuffled_batches(10, 5, seed=3), common.shuffled_batches(10, 5, seed=3)
+    first = [next(a) for _ in range(4)]
+    assert first == [next(b) for _ in range(4)]
+    assert sorted(first[0] + first[1]) == list(range(10)) and sorted(first[2] + first[3]) == list(range(10))
+
+
+# ---------------------------------------------------------------- dataset formats
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_sft_prompt_completion_from_each_file_type(tmp_path, suffix):
+    path = write(tmp_path / f"d{suffix}", [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(20)])
+    train = common.load_rows(path, "train", "sft")
+    test = common.load_rows(path, "test", "sft")
+    assert len(train) == 18 and len(test) == 2  # 10% held out, the last rows
+    assert test[0] == {"prompt": "q18", "completion": "a18", "answer": None}
+
+
+def test_sft_text_and_gsm8k(tmp_path):
+    rows = common.load_rows(write(tmp_path / "t.jsonl", [{"text": "hello"}] * 3), "train", "sft")
+    assert rows[0]["prompt"] == "" and rows[0]["completion"] == "hello"
+    gsm = [{"question": "Tom has 2+3 apples?", "answer": "2+3=5\n#### 1,005"}] * 3
+    row = common.load_rows(write(tmp_path / "g.jsonl", gsm), "train", "sft")[0]
+    assert row["completion"].endswith("#### 1,005") and row["answer"] == "1005"
+
+
+def test_sft_conversational(tmp_path, chat_tokenizer):
+    msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    row = common.load_rows(write(tmp_path / "m.jsonl", [{"messages": msgs}] * 3), "train", "sft", chat_tokenizer)[0]
+    assert row["prompt"] == "<user>2+2?\n<assistant>" and row["completion"] == "4\n"
+    pc = [{"prompt": msgs[:1], "completion": msgs[1:]}] * 3
+    assert common.load_rows(write(tmp_path / "pc.jsonl", pc), "train", "sft", chat_tokenizer)[0] == row
+
+
+def test_prompt_rows(tmp_path, chat_tokenizer):
+    rows = common.load_rows(write(tmp_path / "p.jsonl", [{"prompt": "1+1=", "answer": 2}] * 3), "train", "prompt")
+    assert rows[0] == {"prompt": "1+1=", "answer": "2"}
+    msgs = [{"role": "user", "content": "hi"}]
+    rows = common.load_rows(write(tmp_path / "pm.jsonl", [{"prompt": msgs}] * 3), "train", "prompt", chat_tokenizer)
+    assert rows[0] == {"prompt": "<user>hi\n<assistant>", "answer": None}
+    gsm = [{"question": "How many?", "answer": "so\n#### 42"}] * 3
+    plain = common.load_rows(write(tmp_path / "g.jsonl", gsm), "train", "prompt", common.build_char_tokenizer())[0]
+    assert plain == {"prompt": "How many?\n", "answer": "42"}
+    chat = common.load_rows(str(tmp_path / "g.jsonl"), "train", "prompt", chat_tokenizer)[0]
+    assert chat == {"prompt": "<user>How many?\n<assistant>", "answer": "42"}
+
+
+def test_preference_explicit_and_implicit_prompt(tmp_path):
+    explicit = [{"prompt": "1+1=", "chosen": "2", "rejected": "3", "margin": 0.5}] * 3
+    row = common.load_rows(write(tmp_path / "e.jsonl", explicit), "train", "preference")[0]
+    assert row == {"prompt": "1+1=", "chosen": "2", "rejected": "3", "margin": 0.5}
+    implicit = [{"chosen": "1+1=2", "rejected": "1+1=3"}] * 3
+    row = common.load_rows(write(tmp_path / "i.jsonl", implicit), "train", "preference")[0]
+    assert row == {"prompt": "1+1=", "chosen": "2", "rejected": "3"}
+
+
+def test_preference_conversational(tmp_path, chat_tokenizer):
+    user = [{"role": "user", "content": "1+1?"}]
+    good, bad = [{"role": "assistant", "content": "2"}], [{"role": "assistant", "content": "3"}]
+    want = {"prompt": "<user>1+1?\n<assistant>", "chosen": "2\n", "rejected": "3\n"}
+    explicit = [{"prompt": user, "chosen": good, "rejected": bad}] * 3
+    assert common.load_rows(write(tmp_path / "e.jsonl", explicit), "train", "preference", chat_tokenizer)[0] == want
+    implicit = [{"chosen": user + good, "rejected": user + bad}] * 3
+    assert common.load_rows(write(tmp_path / "i.jsonl", implicit), "train", "preference", chat_tokenizer)[0] == want
+
+
+def test_conversational_rows_need_a_chat_template(tmp_path):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    with pytest.raises(common.DataError, match="chat template"):
+        common.load_rows(write(tmp_path / "m.jsonl", [{"messages": msgs}] * 3), "train", "sft", common.build_char_tokenizer())
+
+
+@pytest.mark.parametrize(
+    "kind,row,missing",
+    [("sft", {"prompt": "x", "answer_text": "y"}, "completion"), ("preference", {"prompt": "x", "chosen": "y"}, "rejected"),
+     ("prompt", {"query": "x"}, "prompt")],
+)
+def test_missing_column_is_one_clear_line(tmp_path, kind, row, missing):
+    with pytest.raises(common.DataError) as err:
+        common.load_rows(write(tmp_path / "bad.jsonl", [row] * 3), "train", kind)
+    msg = str(err.value)
+    assert "\n" not in msg and f"'{missing}'" in msg and "columns: " in msg and common.FORMATS[kind] in msg
+    for column in row:
+        assert column in msg
+
+
+def test_missing_file_and_empty_split(tmp_path):
+    with pytest.raises(common.DataError, match="not found"):
+        common.load_rows(str(tmp_path / "nope.jsonl"), "train", "sft")
+    with pytest.raises(common.DataError, match="no rows"):
+        common.load_rows(write(tmp_path / "few.jsonl", [{"prompt": "a", "completion": "b"}] * 3), "test", "sft")
+
+
+def test_cli_bad_dataset_exits_2_with_one_line(tmp_path):
+    path = write(tmp_path / "bad.jsonl", [{"question_text": "x"}] * 3)
+    proc = run_script("sft.py", "--dataset", path, "--steps", "1", cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: dataset") and "question_text" in proc.stderr
