@@ -165,13 +165,11 @@ def load_raw(dataset: str, split: str, config: str | None = None) -> list[dict]:
             ds = datasets.load_dataset(dataset, config)
         except Exception as e:
             raise DataError(f"cannot load dataset '{dataset}': {str(e).splitlines()[0]}") from None
-    if split in ds:
-        rows = ds[split]
-    else:
-        train = ds["train"] if "train" in ds else ds[next(iter(ds))]
-        n_test = min(500, len(train) // 10) if len(train) >= 10 else 0
-        rows = train.select(range(len(train) - n_test, len(train)) if split == "test" else range(len(train) - n_test))
-    return rows.to_list()
+    if "test" in ds:
+        return ds[split].to_list()
+    rows = (ds["train"] if "train" in ds else ds[next(iter(ds))]).to_list()
+    n_train = len(rows) - (min(500, len(rows) // 10) if len(rows) >= 10 else 0)
+    return rows[n_train:] if split == "test" else rows[:n_train]
 
 
 def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str | None = None) -> list[dict]:

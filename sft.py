@@ -164,7 +164,7 @@ def evaluate(model, tokenizer, rows, args: Args, device, autocast) -> dict:
             for row, text in zip(rows[i : i + 64], texts):
                 correct += common.is_correct(text, row["answer"])
                 if len(samples) < 5:
-                    samples.append((row["prompt"], text, row["answer"]))
+                    samples.append([row["prompt"], text, row["answer"]])
     model.train(was_training)
     metrics = {"eval/loss": total_nll / max(total_tokens, 1)}
     if has_answers:
@@ -214,9 +214,8 @@ def main(args: Args):
         metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         metrics_file.flush()
         if args.track:
-            if samples:
-                metrics["samples"] = wandb.Table(columns=["prompt", "completion", "answer"], data=[list(s) for s in samples])
-            wandb.log(metrics, step=step)
+            table = {"samples": wandb.Table(columns=["prompt", "completion", "answer"], data=samples)} if samples else {}
+            wandb.log({**metrics, **table}, step=step)
 
     def run_eval(step: int):
         metrics, samples = evaluate(model, tokenizer, eval_rows, args, device, autocast)
