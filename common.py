@@ -213,7 +213,7 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
         elif kind == "prompt":
             if "question" in columns and "answer" in columns and "prompt" not in columns:
                 question = row["question"]  # GSM8K
-                prompt = [{"role": "user", "content": question}] if tokenizer.chat_template else question + "\n"
+                prompt = [{"role": "user", "content": question}] if getattr(tokenizer, "chat_template", None) else question + "\n"
                 answer = extract_gsm8k_answer(row["answer"])
             elif "messages" in columns and "prompt" not in columns:
                 msgs = row["messages"]

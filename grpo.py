@@ -1,0 +1,382 @@
+"""Group Relative Policy Optimization (GRPO): PPO's clipped objective without a critic.
+
+For each prompt x, sample a group of G completions y_1…y_G from π_θold, score them (r_i), and use the
+group's own statistics as the baseline (the lecture's "group-normalized reward z-score"):
+
+    Â_i = (r_i − mean({r})) / std({r})
+    ρ_t = π_θ(y_t | x, y_<t) / π_θold(y_t | x, y_<t)
+    J(θ) = 𝔼[ (1/G) Σ_i (1/|y_i|) Σ_t ( min(ρ_t·Â_i, clip(ρ_t, 1−ε, 1+ε)·Â_i) − β·D_KL[π_θ ‖ π_ref] ) ]
+
+and minimise ℒ = −J. D_KL is the per-token k3 estimator π_ref/π_θ − log(π_ref/π_θ) − 1 ≥ 0.
+Shao et al. 2024, DeepSeekMath (arXiv:2402.03300); DeepSeek-R1 (arXiv:2501.12948).
+
+    python grpo.py                                   # after `python sft.py`: the built-in addition task, CPU
+    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --group-size 16 --max-new-tokens 256
+"""
+
+import copy
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+import common
+
+
+@dataclass
+class Args:
+    model: str = "models/sft"
+    """policy to start from (hub id or path); also the frozen reference π_ref"""
+    dataset: str = "arithmetic"
+    """`arithmetic` (built-in), `openai/gsm8k`, another hub id, or a local .jsonl/.json/.parquet prompt file"""
+    dataset_config: str | None = None
+    """the hub dataset's configuration name, if it has several"""
+    reward_model: str | None = None
+    """score completions with this sequence-classification model instead of checking answers"""
+    output_dir: str = "models/grpo"
+    """where the trained policy and tokenizer are saved"""
+    steps: int = 150
+    """optimisation rounds; each samples prompts_per_step × group_size completions"""
+    prompts_per_step: int = 64
+    """prompts sampled per round"""
+    group_size: int = 8
+    """G: completions sampled per prompt"""
+    num_iterations: int = 1
+    """μ: optimiser steps on each generated batch (1: old log-probs are the current ones, detached)"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward pass (gradients are accumulated over the whole batch)"""
+    lr: float = 2e-4
+    """learning rate (AdamW)"""
+    warmup_steps: int = 10
+    """linear warm-up steps"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold (global L2 norm)"""
+    clip_eps: float = 0.2
+    """ε: the ratio ρ is clipped to [1−ε, 1+ε]"""
+    beta: float = 0.04
+    """β: weight of the k3 KL penalty to the reference (0 skips the reference model)"""
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
+    """grpo: mean of per-sequence token means; dapo: mean over all tokens; dr_grpo: sum / (B · max_new_tokens)"""
+    scale_rewards: bool = True
+    """divide advantages by the group's reward std (off: Dr. GRPO)"""
+    format_reward: float = 0.0
+    """bonus for a completion that ends with EOS and contains a number (rule-based rewards only)"""
+    temperature: float = 0.7
+    """sampling temperature (log-probs are computed at the same temperature)"""
+    max_new_tokens: int = 8
+    """completion length limit"""
+    max_prompt_length: int = 512
+    """prompts are left-truncated to this many tokens"""
+    eval_every: int = 50
+    """evaluate greedy completions on the held-out split every this many rounds (and at the end)"""
+    eval_size: int = 500
+    """held-out prompts used for evaluation"""
+    seed: int = 1
+    """seed for torch, python and numpy"""
+    bf16: bool = True
+    """bf16 autocast with fp32 master weights on CUDA; the reference in bf16 (the CPU runs fp32)"""
+    trust_remote_code: bool = False
+    """allow model repositories to run their own code"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "align"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    run_name: str | None = None
+    """name of the run (runs/<run_name>/metrics.jsonl); default grpo__<seed>__<time>"""
+
+
+# ---------------------------------------------------------------- math
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log π(y_t | ·) of the given tokens: logits [B,T,V], tokens [B,T] → [B,T].
+
+    Equals logits.log_softmax(-1).gather(-1, tokens) but computed as gather − logsumexp in fp32, a few
+    rows at a time, so the full [B,T,V] fp32 log-softmax is never materialised."""
+    rows = max(1, 2**26 // max(1, logits.shape[1] * logits.shape[2]))
+    out = []
+    for lg, tk in zip(logits.split(rows), tokens.split(rows)):
+        lg = lg.float()
+        out.append(lg.gather(-1, tk.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, dim=-1))
+    return torch.cat(out)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """Â_i = (r_i − mean({r})) / (std({r}) + eps) within each group of G = group_size consecutive rows.
+
+    rewards [N·G] → [N·G]; std is Bessel-corrected; a group with equal rewards gets Â = 0."""
+    r = rewards.view(-1, group_size)
+    advantages = r - r.mean(dim=1, keepdim=True)
+    if scale:
+        advantages = advantages / (r.std(dim=1, keepdim=True) + eps)
+    return advantages.flatten()
+
+
+def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Per-token D_KL[π_θ ‖ π_ref] ≈ π_ref/π_θ − log(π_ref/π_θ) − 1 (k3: unbiased, always ≥ 0)."""
+    log_ratio = ref_logps - logps
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, clip_eps=0.2, beta=0.04, loss_type="grpo", max_completion_length=None):
+    """ℒ = −J: per token ℓ_t = −min(ρ_t·Â, clip(ρ_t, 1−ε, 1+ε)·Â) + β·D_KL,  ρ_t = exp(logp_t − old_logp_t).
+
+    logps, old_logps, ref_logps, mask [B,T]; advantages [B]. Reduction by `loss_type`:
+    grpo: mean over sequences of each sequence's token mean (DeepSeekMath); dapo: mean over all tokens;
+    dr_grpo: Σ ℓ·mask / (B · max_completion_length). Returns (loss, stats)."""
+    mask = mask.float()
+    ratio = torch.exp(logps - old_logps)
+    A = advantages.unsqueeze(1)
+    per_token = -torch.min(ratio * A, ratio.clamp(1 - clip_eps, 1 + clip_eps) * A)
+    stats = {}
+    if beta != 0:
+        kl = kl_k3(logps, ref_logps)
+        per_token = per_token + beta * kl
+        stats["kl"] = ((kl * mask).sum() / mask.sum()).detach()
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    elif loss_type == "dapo":
+        loss = (per_token * mask).sum() / mask.sum()
+    elif loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    clipped = ((ratio < 1 - clip_eps) & (A < 0)) | ((ratio > 1 + clip_eps) & (A > 0))
+    stats["clip_fraction"] = ((clipped.float() * mask).sum() / mask.sum()).detach()
+    return loss, stats
+
+
+# ---------------------------------------------------------------- helpers
+def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, **kwargs):
+    """A model in fp32 (master weights) with every dropout probability in its config at 0."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)  # engineering detail 1: no dropout in any model
+    return cls.from_pretrained(path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
+
+
+def forward_logps(model, input_ids, attention_mask, completion_ids, temperature: float) -> torch.Tensor:
+    """log π(y_t) of each completion token [B,T] at the sampling temperature; logits at t predict t+1."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    T = completion_ids.shape[1]
+    return token_logprobs(logits[:, -T - 1 : -1] / temperature, completion_ids)
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 up to and including the first EOS, 0 after: built from positions, so pad == EOS is harmless."""
+    is_eos = (completion_ids == eos_id).long()
+    return ((is_eos.cumsum(1) - is_eos) == 0).long()
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, prompt_mask, tokenizer, args: Args, greedy: bool = False):
+    """Completions [B,T] (KV cache, left-padded prompts) and their mask; stops at EOS."""
+    out = model.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        # sample from π_θ/T itself: no top-k/top-p from the model's generation config
+        **(dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0)),
+    )
+    completion_ids = out[:, prompt_ids.shape[1] :]
+    mask = completion_mask(completion_ids, tokenizer.eos_token_id)
+    return completion_ids * mask + tokenizer.pad_token_id * (1 - mask), mask
+
+
+@torch.no_grad()
+def score(prompts, texts, answers, completion_ids, mask, batch, reward_model, tokenizer, args: Args):
+    """r_i: answer correctness (+ format bonus), or the reward model's score at the last real token."""
+    if reward_model is not None:
+        input_ids = torch.cat([batch["prompt_ids"], completion_ids], 1)
+        attention_mask = torch.cat([batch["prompt_mask"], mask], 1)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        hidden = getattr(reward_model, reward_model.base_model_prefix)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
+        last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # each row's last real token
+        scores = reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
+        return scores - getattr(reward_model.config, "reward_offset", 0.0)  # reward_model.py's centring
+    rewards = []
+    for prompt, text, answer, ended in zip(prompts, texts, answers, (completion_ids == tokenizer.eos_token_id).any(1).tolist()):
+        try:
+            r = float(common.is_correct(text, answer))
+            if args.format_reward:
+                r += args.format_reward * float(ended and common.last_number(text) is not None)
+        except Exception as e:
+            sys.exit(f"error: the reward function failed on completion {text!r} (prompt {prompt!r}): {e!r}")
+        rewards.append(r)
+    return torch.tensor(rewards)
+
+
+def main(args: Args):
+    if args.group_size < 2:
+        sys.exit("error: --group-size must be at least 2 (a group of one has no baseline)")
+    run_name = args.run_name or f"grpo__{args.seed}__{int(time.time())}"
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+
+    if args.model == "models/sft" and not os.path.isdir(args.model):
+        sys.exit("error: models/sft not found: run `python sft.py` first (or pass --model)")
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token is None:  # masks come from positions, so padding with EOS is safe
+        tokenizer.pad_token = tokenizer.eos_token
+        print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
+    policy = load_model(args.model, args.trust_remote_code).to(device)
+    ref = None
+    if args.beta != 0:  # π_ref: a frozen copy of the starting policy, bf16 on CUDA
+        ref = copy.deepcopy(policy).requires_grad_(False).eval()
+        if device.type == "cuda" and args.bf16:
+            ref.to(torch.bfloat16)
+    reward_model = None
+    if args.reward_model:
+        reward_model = load_model(args.reward_model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
+        reward_model.to(device).requires_grad_(False).eval()
+
+    train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
+    if reward_model is None and any(r["answer"] is None for r in train_rows + eval_rows):
+        sys.exit(f"error: dataset '{args.dataset}' has rows without an answer column; pass --reward-model to score completions")
+    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_prompt_length, left_truncate=True)
+    print(f"policy {args.model} on {device}; {len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
+
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
+
+    os.makedirs(f"runs/{run_name}", exist_ok=True)
+    metrics_file = open(f"runs/{run_name}/metrics.jsonl", "a")
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args))
+
+    def log(metrics: dict, step: int, samples=None):
+        metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        metrics_file.flush()
+        if args.track:
+            table = {"samples": wandb.Table(columns=["prompt", "completion", "reward"], data=samples)} if samples else {}
+            wandb.log({**metrics, **table}, step=step)
+
+    def evaluate(step: int) -> dict:
+        """Greedy completions on held-out prompts: accuracy when answers exist, and the mean reward."""
+        policy.eval()
+        rewards, correct, samples = [], [], []
+        eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_prompt_length, left_truncate=True)
+        for i in range(0, len(eval_rows), 128):
+            rows = eval_rows[i : i + 128]
+            ids, mask = (t.to(device) for t in common.pad(eval_prompts[i : i + 128], tokenizer.pad_token_id, "left"))
+            with autocast:
+                completion_ids, cmask = generate(policy, ids, mask, tokenizer, args, greedy=True)
+            texts = tokenizer.batch_decode(completion_ids * cmask + tokenizer.pad_token_id * (1 - cmask), skip_special_tokens=True)
+            with autocast:
+                r = score([x["prompt"] for x in rows], texts, [x["answer"] for x in rows], completion_ids, cmask,
+                          {"prompt_ids": ids, "prompt_mask": mask}, reward_model, tokenizer, args)
+            rewards += r.tolist()
+            if all(x["answer"] is not None for x in rows):
+                correct += [common.is_correct(t, x["answer"]) for t, x in zip(texts, rows)]
+            samples += [[x["prompt"], t, v] for x, t, v in zip(rows, texts, r.tolist())][: max(0, 5 - len(samples))]
+        policy.train()
+        metrics = {"eval/reward": float(np.mean(rewards))}
+        if len(correct) == len(eval_rows):
+            metrics["eval/accuracy"] = float(np.mean(correct))
+        log(metrics, step, samples)
+        return metrics
+
+    start = evaluate(0)
+    print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
+    batches = common.shuffled_batches(len(train_rows), args.prompts_per_step, args.seed)
+    G = args.group_size
+    progress = tqdm(range(1, args.steps + 1), desc="grpo", dynamic_ncols=True)
+    for step in progress:
+        # 1. sample G completions for each of N prompts from π_θold (the current policy)
+        idx = next(batches)
+        group_prompts = [prompts[i] for i in idx for _ in range(G)]  # rows i*G … i*G+G-1: one prompt's group
+        prompt_ids, prompt_mask = (t.to(device) for t in common.pad(group_prompts, tokenizer.pad_token_id, "left"))
+        t0 = time.time()
+        policy.eval()
+        with autocast:
+            completion_ids, mask = generate(policy, prompt_ids, prompt_mask, tokenizer, args)
+        policy.train()
+        gen_time = time.time() - t0
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+
+        # 2. rewards r_i and group-relative advantages Â_i
+        rows = [train_rows[i] for i in idx for _ in range(G)]
+        with autocast:
+            rewards = score([r["prompt"] for r in rows], texts, [r["answer"] for r in rows], completion_ids, mask,
+                            {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}, reward_model, tokenizer, args).to(device)
+        advantages = group_advantages(rewards, G, scale=args.scale_rewards)
+
+        # 3. reference (and, for μ > 1, old) log-probs: once per batch, without gradients
+        input_ids = torch.cat([prompt_ids, completion_ids], 1)
+        attention_mask = torch.cat([prompt_mask, mask], 1)
+        micro = [slice(i, i + args.micro_batch_size) for i in range(0, len(input_ids), args.micro_batch_size)]
+        with torch.no_grad(), autocast:
+            ref_logps = [forward_logps(ref, input_ids[s], attention_mask[s], completion_ids[s], args.temperature) for s in micro] if ref else None
+            old_logps = [forward_logps(policy, input_ids[s], attention_mask[s], completion_ids[s], args.temperature) for s in micro] if args.num_iterations > 1 else None
+
+        # 4. μ optimiser steps on the clipped objective, gradients accumulated over micro-batches
+        for _ in range(args.num_iterations):
+            totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+            for k, s in enumerate(micro):
+                with autocast:
+                    logps = forward_logps(policy, input_ids[s], attention_mask[s], completion_ids[s], args.temperature)
+                old = old_logps[k] if old_logps else logps.detach()  # μ = 1: ρ = 1, no extra forward pass
+                loss, stats = grpo_loss(
+                    logps, old, ref_logps[k] if ref else None, advantages[s], mask[s], args.clip_eps, args.beta,
+                    args.loss_type, args.max_new_tokens,
+                )
+                # each micro-batch's share of the batch loss: its tokens (dapo) or its sequences (grpo, dr_grpo)
+                weight = mask[s].sum() / mask.sum() if args.loss_type == "dapo" else len(logps) / len(input_ids)
+                (loss * weight).backward()
+                totals["loss"] += loss.item() * float(weight)
+                for key in stats:
+                    totals[key] += stats[key].item() * len(logps) / len(input_ids)
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+
+        lengths = mask.sum(1).float()
+        groups = rewards.view(-1, G)
+        metrics = {
+            "train/loss": totals["loss"], "train/grad_norm": grad_norm.item(), "train/clip_fraction": totals["clip_fraction"],
+            "train/kl": totals["kl"], "train/reward_mean": rewards.mean().item(), "train/reward_std": rewards.std().item(),
+            "train/frac_groups_equal_reward": (groups.max(1).values == groups.min(1).values).float().mean().item(),
+            "train/completion_length": lengths.mean().item(),
+            "train/frac_hit_length_limit": 1 - (completion_ids == tokenizer.eos_token_id).any(1).float().mean().item(),
+            "time/generation_s": gen_time,
+        }
+        log(metrics, step)
+        progress.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", kl=f"{metrics['train/kl']:.4f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            end = evaluate(step)
+            tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()))
+
+    policy.save_pretrained(args.output_dir)
+    tokenizer.save_pretrained(args.output_dir)
+    metrics_file.close()
+    print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
+    if args.track:
+        wandb.finish()
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    try:
+        main(args)
+    except common.DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,218 @@
+"""Reward model r_ϕ(x, y) trained on preference pairs with the Bradley–Terry model.
+
+Humans (here: the built-in task's answer key) prefer y_w over y_l. Bradley–Terry models that preference as
+p(y_w ≻ y_l | x) = σ(r_ϕ(x, y_w) − r_ϕ(x, y_l)); maximum likelihood gives the loss
+
+    ℒ_RM(ϕ) = −𝔼_(x, y_w, y_l) [ log σ(r_ϕ(x, y_w) − r_ϕ(x, y_l) − m) ]      (m: optional margin)
+
+r_ϕ is the SFT model with a scalar head, read at the last real token of prompt + completion. PPO then
+maximises r_ϕ (Ouyang et al. 2022, InstructGPT; Bradley & Terry 1952).
+
+    python reward_model.py                           # after `python sft.py`: the built-in task, CPU
+    python reward_model.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized --lr 1e-5
+"""
+
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+import common
+
+
+@dataclass
+class Args:
+    model: str = "models/sft"
+    """model to start from (hub id or path); it gets a new scalar head"""
+    dataset: str = "arithmetic"
+    """`arithmetic` (built-in preferences), a hub id, or a local preference .jsonl/.json/.parquet file"""
+    dataset_config: str | None = None
+    """the hub dataset's configuration name, if it has several"""
+    output_dir: str = "models/reward"
+    """where the reward model and tokenizer are saved"""
+    steps: int = 300
+    """optimiser steps"""
+    batch_size: int = 64
+    """preference pairs per step"""
+    lr: float = 1e-3
+    """peak learning rate (AdamW); use ~1e-5 for pretrained models"""
+    warmup_steps: int = 20
+    """linear warm-up steps"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold (global L2 norm)"""
+    center_rewards_coef: float = 0.0
+    """weight of (r_w + r_l)² in the loss, which keeps rewards centred during training (0: off)"""
+    max_length: int = 1024
+    """prompt and completions are each truncated to this many tokens (prompts from the left)"""
+    eval_every: int = 50
+    """evaluate pairwise accuracy on the held-out split every this many steps (and at the end)"""
+    eval_size: int = 500
+    """held-out pairs used for evaluation"""
+    seed: int = 1
+    """seed for torch, python and numpy"""
+    bf16: bool = True
+    """bf16 autocast with fp32 master weights on CUDA (the CPU runs fp32)"""
+    trust_remote_code: bool = False
+    """allow model repositories to run their own code"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "align"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    run_name: str | None = None
+    """name of the run (runs/<run_name>/metrics.jsonl); default reward__<seed>__<time>"""
+
+
+# ---------------------------------------------------------------- math
+def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, margin: torch.Tensor | None = None) -> torch.Tensor:
+    """ℒ = −log σ(r_w − r_l − m) per pair [B] (logsigmoid: stable for large reward gaps)."""
+    diff = chosen_rewards - rejected_rewards
+    if margin is not None:
+        diff = diff - margin
+    return -F.logsigmoid(diff)
+
+
+# ---------------------------------------------------------------- helpers
+def load_reward_model(path: str, trust_remote_code: bool):
+    """A sequence-classification model with one output, fp32, every dropout probability at 0."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, num_labels=1)
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)  # engineering detail 1: no dropout in any model
+    return AutoModelForSequenceClassification.from_pretrained(
+        path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True
+    )
+
+
+def reward_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """r_ϕ(x, y) [B]: the scalar head read at each row's last real token (works with any padding)."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)
+    return model.score(hidden[torch.arange(len(last), device=hidden.device), last]).squeeze(-1).float()
+
+
+def pair_batch(rows, tokenizer, max_length: int, device) -> dict:
+    """Chosen (first B rows) and rejected (last B rows) completions after their prompt, one batch."""
+    prompts = common.tokenize(tokenizer, [r["prompt"] for r in rows], max_length=max_length, left_truncate=True)
+    completions = common.tokenize(tokenizer, [r["chosen"] for r in rows] + [r["rejected"] for r in rows], add_eos=True, max_length=max_length)
+    return {k: v.to(device) for k, v in common.collate(prompts * 2, completions, tokenizer.pad_token_id).items()}
+
+
+def main(args: Args):
+    run_name = args.run_name or f"reward__{args.seed}__{int(time.time())}"
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+
+    if args.model == "models/sft" and not os.path.isdir(args.model):
+        sys.exit("error: models/sft not found: run `python sft.py` first (or pass --model)")
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token is None:  # the score is read by position, so padding with EOS is safe
+        tokenizer.pad_token = tokenizer.eos_token
+        print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
+    model = load_reward_model(args.model, args.trust_remote_code).to(device).train()
+    model.config.pad_token_id = tokenizer.pad_token_id
+
+    train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
+    print(f"reward model from {args.model} on {device}; {len(train_rows)} train / {len(eval_rows)} held-out pairs")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
+    os.makedirs(f"runs/{run_name}", exist_ok=True)
+    metrics_file = open(f"runs/{run_name}/metrics.jsonl", "a")
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args))
+
+    def log(metrics: dict, step: int):
+        metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        metrics_file.flush()
+        if args.track:
+            wandb.log(metrics, step=step)
+
+    @torch.no_grad()
+    def evaluate(step: int) -> dict:
+        """Held-out pairwise accuracy: the share of pairs with r_w > r_l."""
+        model.eval()
+        wins, margins = [], []
+        for i in range(0, len(eval_rows), 128):
+            batch = pair_batch(eval_rows[i : i + 128], tokenizer, args.max_length, device)
+            with autocast:
+                chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
+            wins += (chosen > rejected).tolist()
+            margins += (chosen - rejected).tolist()
+        model.train()
+        metrics = {"eval/accuracy": float(np.mean(wins)), "eval/margin": float(np.mean(margins))}
+        log(metrics, step)
+        return metrics
+
+    start = evaluate(0)
+    print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
+    batches = common.shuffled_batches(len(train_rows), args.batch_size, args.seed)
+    progress = tqdm(range(1, args.steps + 1), desc="reward", dynamic_ncols=True)
+    for step in progress:
+        rows = [train_rows[i] for i in next(batches)]
+        batch = pair_batch(rows, tokenizer, args.max_length, device)
+        with autocast:  # chosen and rejected in one forward pass
+            chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
+        margin = torch.tensor([r["margin"] for r in rows], device=device) if "margin" in rows[0] else None
+        loss = bradley_terry_loss(chosen, rejected, margin).mean()
+        if args.center_rewards_coef:
+            loss = loss + args.center_rewards_coef * ((chosen + rejected) ** 2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        schedule.step()
+        progress.set_postfix(loss=f"{loss.item():.4f}")
+        log({"train/loss": loss.item(), "train/accuracy": (chosen > rejected).float().mean().item(),
+             "train/margin": (chosen - rejected).mean().item(), "train/grad_norm": grad_norm.item()}, step)
+        if step % args.eval_every == 0 or step == args.steps:
+            end = evaluate(step)
+            tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()))
+
+    # Centre the rewards PPO will see: the mean score over training completions becomes 0. The usual head
+    # (nn.Linear without bias) has no bias to shift; then the offset is saved as config.reward_offset,
+    # which grpo.py and ppo.py subtract from every score.
+    model.eval()
+    with torch.no_grad(), autocast:
+        sample = [train_rows[i] for i in range(0, len(train_rows), max(1, len(train_rows) // 1024))][:1024]
+        offset = torch.cat([reward_scores(model, b["input_ids"], b["attention_mask"])
+                            for b in (pair_batch(sample[i : i + 128], tokenizer, args.max_length, device) for i in range(0, len(sample), 128))]).mean().item()
+    if getattr(model.score, "bias", None) is not None:
+        model.score.bias.data -= offset
+        model.config.reward_offset = 0.0
+    else:
+        model.config.reward_offset = offset
+    model.save_pretrained(args.output_dir)
+    tokenizer.save_pretrained(args.output_dir)
+    metrics_file.close()
+    print(f"held-out pairwise accuracy {start['eval/accuracy']:.4f} → {end['eval/accuracy']:.4f}; "
+          f"mean training reward {offset:+.4f} centred to 0; saved to {args.output_dir}")
+    if args.track:
+        wandb.finish()
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    try:
+        main(args)
+    except common.DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,191 @@
+"""grpo.py: the contract functions against naive loops and the notes' properties, generation log-probs,
+and end-to-end runs as a user starts them."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+import common
+import grpo
+import sft
+from conftest import read_metrics, run_script
+
+
+def naive_group_advantages(rewards, G, scale, eps):
+    out = []
+    for i in range(0, len(rewards), G):
+        group = [float(r) for r in rewards[i : i + G]]
+        mean = sum(group) / G
+        std = (sum((r - mean) ** 2 for r in group) / (G - 1)) ** 0.5
+        out += [(r - mean) / (std + eps) if scale else r - mean for r in group]
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_group_advantages_matches_naive_loop(scale):
+    torch.manual_seed(0)
+    rewards = torch.randn(12)
+    got = grpo.group_advantages(rewards, 4, scale=scale, eps=1e-4)
+    assert torch.allclose(got, naive_group_advantages(rewards, 4, scale, 1e-4), atol=1e-5)
+    assert torch.allclose(got.view(3, 4).mean(1), torch.zeros(3), atol=1e-6)  # zero-mean per group
+
+
+def test_group_with_equal_rewards_gets_zero_advantage():
+    adv = grpo.group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0]), 3)
+    assert torch.equal(adv[:3], torch.zeros(3)) and adv[3:].abs().sum() > 0
+
+
+def naive_grpo_loss(logps, old, ref, adv, mask, eps, beta, loss_type, L):
+    B, T = logps.shape
+    seq_means, total, count = [], 0.0, 0
+    for b in range(B):
+        s, n = 0.0, 0
+        for t in range(T):
+            if mask[b, t]:
+                rho = torch.exp(logps[b, t] - old[b, t])
+                term = -min(rho * adv[b], min(max(rho, 1 - eps), 1 + eps) * adv[b])
+                if beta:
+                    term += beta * (torch.exp(ref[b, t] - logps[b, t]) - (ref[b, t] - logps[b, t]) - 1)
+                s, n = s + term, n + 1
+        seq_means.append(s / n)
+        total, count = total + s, count + n
+    return {"grpo": sum(seq_means) / B, "dapo": total / count, "dr_grpo": total / (B * L)}[loss_type]
+
+
+def random_batch(B=4, T=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(B, T, generator=g) * 3
+    old = logps + torch.randn(B, T, generator=g) * 0.3
+    ref = logps + torch.randn(B, T, generator=g) * 0.3
+    lengths = torch.tensor([6, 3, 1, 5])
+    mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    return logps, old, ref, torch.randn(B, generator=g), mask
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_grpo_loss_matches_naive_loop(loss_type, beta):
+    logps, old, ref, adv, mask = random_batch()
+    loss, stats = grpo.grpo_loss(logps, old, ref if beta else None, adv, mask, 0.2, beta, loss_type, max_completion_length=8)
+    assert torch.allclose(loss, naive_grpo_loss(logps, old, ref, adv, mask, 0.2, beta, loss_type, 8), atol=1e-5)
+    assert 0 <= stats["clip_fraction"] <= 1 and ("kl" in stats) == (beta != 0)
+
+
+def test_no_gradient_once_clipped():
+    """Â > 0 with ρ > 1+ε, or Â < 0 with ρ < 1−ε: the clipped term is constant, so the gradient is 0."""
+    old = torch.zeros(2, 1)
+    logps = torch.tensor([[0.5], [-0.5]], requires_grad=True)  # ρ = e^0.5 ≈ 1.65 and e^-0.5 ≈ 0.61
+    loss, stats = grpo.grpo_loss(logps, old, None, torch.tensor([1.0, -1.0]), torch.ones(2, 1), clip_eps=0.2, beta=0.0)
+    loss.backward()
+    assert torch.equal(logps.grad, torch.zeros(2, 1)) and stats["clip_fraction"] == 1
+    # inside the trust region the gradient is Â·ρ (per sequence, averaged over the batch)
+    logps = torch.tensor([[0.1]], requires_grad=True)
+    grpo.grpo_loss(logps, torch.zeros(1, 1), None, torch.tensor([1.0]), torch.ones(1, 1), 0.2, 0.0)[0].backward()
+    assert torch.allclose(logps.grad, -torch.exp(torch.tensor([[0.1]])))
+
+
+def test_k3_kl_nonnegative_and_zero_at_reference():
+    logps, _, ref, adv, mask = random_batch()
+    assert (grpo.kl_k3(logps, ref) >= 0).all()
+    assert torch.equal(grpo.kl_k3(logps, logps), torch.zeros_like(logps))
+    _, stats = grpo.grpo_loss(logps, logps, logps, adv, mask, beta=0.04)
+    assert stats["kl"] == 0
+
+
+def test_mu_one_ratio_is_exactly_one():
+    logps, _, _, adv, mask = random_batch()
+    logps.requires_grad_(True)
+    loss, stats = grpo.grpo_loss(logps, logps.detach(), None, adv, mask, beta=0.0)
+    # ρ = 1: the loss is −mean(Â) and nothing is clipped; the gradient is the plain policy gradient −Â
+    assert torch.allclose(loss, -adv.mean()) and stats["clip_fraction"] == 0
+    loss.backward()
+    expected = -(adv[:, None] * mask / mask.sum(1, keepdim=True)) / len(adv)
+    assert torch.allclose(logps.grad, expected)
+
+
+def test_completion_mask_ends_at_first_eos_even_when_pad_is_eos():
+    eos = 1
+    ids = torch.tensor([[5, 6, eos, eos, eos], [5, eos, 7, eos, eos], [5, 6, 7, 8, 9]])
+    assert grpo.completion_mask(ids, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_generation_logprobs_match_forward_pass():
+    """Sampled tokens' log-probs from generate's own logits (temperature 0.7, left-padded prompts) equal
+    those recomputed by a training forward pass, fp32, to 1e-4."""
+    tok = common.build_char_tokenizer()
+    torch.manual_seed(0)
+    model = sft.tiny_model(tok, sft.Args()).eval()
+    ids, mask = common.pad(common.tokenize(tok, ["1+2=", "123+456=", "77+8="]), tok.pad_token_id, "left")
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, return_dict_in_generate=True, output_logits=True,
+    )
+    completion = out.sequences[:, ids.shape[1]:]
+    cmask = grpo.completion_mask(completion, tok.eos_token_id)
+    gen_logps = grpo.token_logprobs(torch.stack(out.logits, 1) / 0.7, completion)
+    with torch.no_grad():
+        fwd = grpo.forward_logps(model, torch.cat([ids, completion], 1), torch.cat([mask, cmask], 1), completion, 0.7)
+    assert cmask.sum() > 3
+    assert (fwd - gen_logps).abs().mul(cmask).max() < 1e-4
+
+
+def test_token_logprobs_matches_log_softmax_gather():
+    logits, tokens = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
+    assert torch.allclose(grpo.token_logprobs(logits, tokens), logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0], atol=1e-6)
+
+
+def test_grpo_end_to_end_improves_accuracy(sft_run, tmp_path):
+    _, model_dir, _ = sft_run
+    run_script("grpo.py", "--model", str(model_dir), "--steps", "60", "--eval-every", "60", "--run-name", "g", cwd=tmp_path)
+    evals = [m for m in read_metrics(tmp_path, "g") if "eval/accuracy" in m]
+    before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+    assert after >= before + 0.04, (before, after)
+    train = [m for m in read_metrics(tmp_path, "g") if "train/kl" in m]
+    assert 0 < train[-1]["train/kl"] < 1  # the KL to the reference is measured and stays bounded
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "grpo") is not None
+
+
+def test_grpo_gsm8k_format_with_group_16(sft_run, tmp_path):
+    """The user's example, at a tiny scale: --model <path> --dataset <GSM8K-format jsonl> --group-size 16."""
+    _, model_dir, _ = sft_run
+    rows = [{"question": f"{a}+{a}=", "answer": f"{a} plus {a}\n#### {2 * a}"} for a in range(40)]
+    (tmp_path / "gsm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_script(
+        "grpo.py", "--model", str(model_dir), "--dataset", str(tmp_path / "gsm.jsonl"), "--group-size", "16",
+        "--prompts-per-step", "4", "--steps", "3", "--eval-every", "3", "--loss-type", "dr_grpo", "--num-iterations", "2",
+        "--run-name", "gsm", cwd=tmp_path,
+    )
+    metrics = read_metrics(tmp_path, "gsm")
+    assert [m["step"] for m in metrics if "eval/accuracy" in m] == [0, 3]
+    assert sum("train/loss" in m for m in metrics) == 3
+
+
+def test_grpo_with_a_reward_model(sft_run, tmp_path):
+    _, model_dir, _ = sft_run
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
+    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    run_script("grpo.py", "--model", str(model_dir), "--reward-model", str(tmp_path / "rm"), "--steps", "2",
+               "--eval-every", "2", "--eval-size", "32", "--beta", "0", "--run-name", "rm", cwd=tmp_path)
+    metrics = read_metrics(tmp_path, "rm")
+    assert "eval/reward" in metrics[0] and "eval/accuracy" in metrics[0]  # arithmetic still has answers
+    assert all("train/kl" in m and m["train/kl"] == 0 for m in metrics if "train/loss" in m)
+
+
+def test_group_size_one_is_refused(tmp_path):
+    proc = run_script("grpo.py", "--group-size", "1", cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and "group-size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_reward_function_error_names_the_completion(monkeypatch):
+    def broken(text, answer):
+        raise ZeroDivisionError("bad reward")
+
+    monkeypatch.setattr(common, "is_correct", broken)
+    tok = common.build_char_tokenizer()
+    ids = torch.tensor([[5, tok.eos_token_id]])
+    with pytest.raises(SystemExit, match=r"reward function failed on completion '42'.*ZeroDivisionError"):
+        grpo.score(["1+1="], ["42"], ["2"], ids, torch.ones_like(ids), {}, None, tok, grpo.Args())
