@@ -243,7 +243,7 @@ def main(args: Args):
     reward_model = None
     if args.reward_model:
         reward_model = load_model(args.reward_model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-        reward_model.to(device).requires_grad_(False).eval()
+        reward_model.to(device, torch.bfloat16 if device.type == "cuda" and args.bf16 else torch.float32).requires_grad_(False).eval()
 
     train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
