@@ -39,11 +39,11 @@ class Args:
     """the hub dataset's configuration name, if it has several"""
     output_dir: str = "models/reward"
     """where the reward model and tokenizer are saved"""
-    steps: int = 300
+    steps: int = 500
     """optimiser steps"""
-    batch_size: int = 64
+    batch_size: int = 128
     """preference pairs per step"""
-    lr: float = 1e-3
+    lr: float = 3e-4
     """peak learning rate (AdamW); use ~1e-5 for pretrained models"""
     warmup_steps: int = 20
     """linear warm-up steps"""
@@ -53,7 +53,7 @@ class Args:
     """weight of (r_w + r_l)² in the loss, which keeps rewards centred during training (0: off)"""
     max_length: int = 1024
     """prompt and completions are each truncated to this many tokens (prompts from the left)"""
-    eval_every: int = 50
+    eval_every: int = 100
     """evaluate pairwise accuracy on the held-out split every this many steps (and at the end)"""
     eval_size: int = 500
     """held-out pairs used for evaluation"""

@@ -1,0 +1,376 @@
+"""RLHF with Proximal Policy Optimization (PPO): the InstructGPT recipe.
+
+A learned reward model r_ϕ scores each sampled completion; a KL penalty to the reference keeps the policy
+near π_ref; a critic V_ψ (initialised from the reward model) is the baseline for GAE advantages:
+
+    r_t = −β·(log π_θold(y_t) − log π_ref(y_t))  (+ r_ϕ(x, y) at the last token)
+    δ_t = r_t + γ·V_ψ(s_{t+1}) − V_ψ(s_t),   Â_t = Σ_l (γλ)^l·δ_{t+l}           (GAE)
+    ρ_t = π_θ(y_t | s_t) / π_θold(y_t | s_t)
+    ℒ_policy = −𝔼_t[ min(ρ_t·Â_t, clip(ρ_t, 1−ε, 1+ε)·Â_t) ]
+    ℒ_value  = ½·𝔼_t[ max((V_ψ − R_t)², (clip(V_ψ, V_old − ε, V_old + ε) − R_t)²) ],  R_t = Â_t + V_old
+
+Schulman et al. 2017 (arXiv:1707.06347), GAE: Schulman et al. 2016 (arXiv:1506.02438), Ouyang et al. 2022.
+
+    python ppo.py                                    # after `python sft.py` and `python reward_model.py`
+    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --reward-model <rm> --dataset trl-lib/tldr --max-new-tokens 64 --lr 1e-6
+"""
+
+import copy
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+import common
+
+
+@dataclass
+class Args:
+    model: str = "models/sft"
+    """policy to start from (hub id or path); also the frozen reference π_ref"""
+    reward_model: str = "models/reward"
+    """reward model r_ϕ (sequence classification, one label); the critic V_ψ starts as a copy of it"""
+    dataset: str = "arithmetic"
+    """`arithmetic` (built-in), a hub id, or a local prompt .jsonl/.json/.parquet file"""
+    dataset_config: str | None = None
+    """the hub dataset's configuration name, if it has several"""
+    output_dir: str = "models/ppo"
+    """where the trained policy and tokenizer are saved"""
+    steps: int = 100
+    """rollout/update rounds"""
+    prompts_per_step: int = 128
+    """prompts per rollout (one completion each)"""
+    num_ppo_epochs: int = 2
+    """passes over each rollout"""
+    num_mini_batches: int = 2
+    """minibatches per pass (one optimiser step each)"""
+    lr: float = 1e-5
+    """learning rate of policy and critic (AdamW)"""
+    warmup_steps: int = 10
+    """linear warm-up rounds"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold (global L2 norm, policy and critic each)"""
+    clip_eps: float = 0.2
+    """ε: the ratio ρ is clipped to [1−ε, 1+ε]"""
+    clip_eps_value: float = 0.2
+    """values move at most this far from V_old in the clipped value loss"""
+    vf_coef: float = 0.1
+    """weight of the value loss"""
+    kl_coef: float = 0.3
+    """β: per-token KL penalty to the reference in the reward"""
+    gamma: float = 1.0
+    """γ: discount"""
+    lam: float = 0.95
+    """λ: GAE trade-off between bias (0) and variance (1)"""
+    missing_eos_penalty: float = 1.0
+    """subtracted from the score of completions that never emit EOS (0: off)"""
+    temperature: float = 0.7
+    """sampling temperature (every log-prob is computed at the same temperature)"""
+    max_new_tokens: int = 8
+    """completion length limit"""
+    max_prompt_length: int = 512
+    """prompts are left-truncated to this many tokens"""
+    eval_every: int = 50
+    """evaluate greedy completions on the held-out split every this many rounds (and at the end)"""
+    eval_size: int = 500
+    """held-out prompts used for evaluation"""
+    seed: int = 1
+    """seed for torch, python and numpy"""
+    bf16: bool = True
+    """bf16 autocast with fp32 master weights on CUDA; reference and reward model in bf16 (the CPU runs fp32)"""
+    trust_remote_code: bool = False
+    """allow model repositories to run their own code"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "align"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    run_name: str | None = None
+    """name of the run (runs/<run_name>/metrics.jsonl); default ppo__<seed>__<time>"""
+
+
+# ---------------------------------------------------------------- math
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log π(y_t | ·) of the given tokens: logits [B,T,V], tokens [B,T] → [B,T].
+
+    Equals logits.log_softmax(-1).gather(-1, tokens) but computed as gather − logsumexp in fp32, a few
+    rows at a time, so the full [B,T,V] fp32 log-softmax is never materialised."""
+    rows = max(1, 2**26 // max(1, logits.shape[1] * logits.shape[2]))
+    out = []
+    for lg, tk in zip(logits.split(rows), tokens.split(rows)):
+        lg = lg.float()
+        out.append(lg.gather(-1, tk.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, dim=-1))
+    return torch.cat(out)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum()
+
+
+def kl_penalized_rewards(scores, logps, ref_logps, mask, kl_coef) -> torch.Tensor:
+    """r_t = −β·(log π_θold(y_t) − log π_ref(y_t)) on real tokens, plus r_ϕ(x, y) at each row's last real token.
+
+    scores [B]; logps, ref_logps, mask [B,T] (mask a prefix of each row) → [B,T], 0 on padding."""
+    rewards = -kl_coef * (logps - ref_logps) * mask
+    last = mask.sum(1).long().clamp(min=1) - 1
+    rewards[torch.arange(len(scores)), last] += scores
+    return rewards
+
+
+def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95):
+    """GAE: δ_t = r_t + γ·V_{t+1} − V_t, Â_t = δ_t + γλ·Â_{t+1}; the value after a row's last real token
+    is 0. Returns (advantages, returns = Â + V), both [B,T] and 0 where mask is 0."""
+    mask = mask.float()
+    T = rewards.shape[1]
+    advantages = torch.zeros_like(rewards)
+    next_value, next_advantage = torch.zeros_like(rewards[:, 0]), torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantages[:, t] = delta + gamma * lam * next_advantage
+        # beyond the last real token nothing follows: the next state's value and advantage are 0
+        next_value, next_advantage = values[:, t] * mask[:, t], advantages[:, t] * mask[:, t]
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def ppo_policy_loss(logps, old_logps, advantages, mask, clip_eps=0.2):
+    """ℒ = masked mean of max(−Â·ρ, −Â·clip(ρ, 1−ε, 1+ε)), ρ = exp(logp − old_logp).
+    Returns (loss, stats: clip_fraction, approx_kl = ½·mean((logp − old_logp)²))."""
+    mask = mask.float()
+    ratio = torch.exp(logps - old_logps)
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    stats = {
+        "clip_fraction": masked_mean((clipped > unclipped).float(), mask).detach(),
+        "approx_kl": masked_mean(0.5 * (logps - old_logps) ** 2, mask).detach(),
+    }
+    return loss, stats
+
+
+def ppo_value_loss(values, old_values, returns, mask, clip_eps=0.2):
+    """ℒ_V = ½ · masked mean of max((V − R)², (clip(V, V_old − ε, V_old + ε) − R)²)."""
+    clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    return 0.5 * masked_mean(torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask.float())
+
+
+# ---------------------------------------------------------------- helpers
+def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, **kwargs):
+    """A model in fp32 (master weights) with every dropout probability in its config at 0."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)  # engineering detail 1: no dropout in any model
+    return cls.from_pretrained(path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
+
+
+def position_ids(attention_mask):
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
+
+
+def forward_logps(model, input_ids, attention_mask, T: int, temperature: float) -> torch.Tensor:
+    """log π(y_t) of the last T tokens [B,T] at the sampling temperature; logits at t predict t+1."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
+    return token_logprobs(logits[:, -T - 1 : -1] / temperature, input_ids[:, -T:])
+
+
+def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
+    """The scalar head of a sequence-classification model at every position [B, L]."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+def critic_values(critic, input_ids, attention_mask, T: int) -> torch.Tensor:
+    """V_ψ(s_t) [B,T]: the value of the state before completion token t (read where y_t is predicted)."""
+    return head_outputs(critic, input_ids, attention_mask)[:, -T - 1 : -1]
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 up to and including the first EOS, 0 after: built from positions, so pad == EOS is harmless."""
+    is_eos = (completion_ids == eos_id).long()
+    return ((is_eos.cumsum(1) - is_eos) == 0).long()
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, prompt_mask, tokenizer, args: Args, greedy: bool = False):
+    """Completions [B,T] (KV cache, left-padded prompts), truncated after the first EOS, and their mask."""
+    out = model.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        **(dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0)),
+    )
+    completion_ids = out[:, prompt_ids.shape[1] :]
+    mask = completion_mask(completion_ids, tokenizer.eos_token_id)
+    return completion_ids * mask + tokenizer.pad_token_id * (1 - mask), mask
+
+
+@torch.no_grad()
+def reward_scores(reward_model, input_ids, attention_mask) -> torch.Tensor:
+    """r_ϕ(x, y) [B] at each row's last real token, minus reward_model.py's centring offset."""
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)
+    scores = head_outputs(reward_model, input_ids, attention_mask)[torch.arange(len(last)), last]
+    return scores - getattr(reward_model.config, "reward_offset", 0.0)
+
+
+def main(args: Args):
+    for name in ("model", "reward_model"):
+        path = getattr(args, name)
+        if path in ("models/sft", "models/reward") and not os.path.isdir(path):
+            script = "sft.py" if name == "model" else "reward_model.py"
+            sys.exit(f"error: {path} not found: run `python {script}` first (or pass --{name.replace('_', '-')})")
+    run_name = args.run_name or f"ppo__{args.seed}__{int(time.time())}"
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+    frozen_dtype = torch.bfloat16 if device.type == "cuda" and args.bf16 else torch.float32
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token is None:  # masks come from positions, so padding with EOS is safe
+        tokenizer.pad_token = tokenizer.eos_token
+        print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
+    # Four models: policy and critic train; reference and reward model are frozen (eval, no grad).
+    policy = load_model(args.model, args.trust_remote_code).to(device)
+    ref = copy.deepcopy(policy).to(frozen_dtype).requires_grad_(False).eval()
+    reward_model = load_model(args.reward_model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
+    critic = copy.deepcopy(reward_model).to(device)  # V_ψ starts from r_ϕ: it already knows what scores well
+    reward_model.to(device, frozen_dtype).requires_grad_(False).eval()
+
+    train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
+    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_prompt_length, left_truncate=True)
+    eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_prompt_length, left_truncate=True)
+    has_answers = all(r["answer"] is not None for r in eval_rows)
+    print(f"policy {args.model}, reward model {args.reward_model} on {device}; {len(train_rows)} train / {len(eval_rows)} held-out prompts")
+
+    optimizer = torch.optim.AdamW(list(policy.parameters()) + list(critic.parameters()), lr=args.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
+    os.makedirs(f"runs/{run_name}", exist_ok=True)
+    metrics_file = open(f"runs/{run_name}/metrics.jsonl", "a")
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args))
+
+    def log(metrics: dict, step: int, samples=None):
+        metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        metrics_file.flush()
+        if args.track:
+            table = {"samples": wandb.Table(columns=["prompt", "completion", "score"], data=samples)} if samples else {}
+            wandb.log({**metrics, **table}, step=step)
+
+    @torch.no_grad()
+    def evaluate(step: int) -> dict:
+        """Greedy completions on held-out prompts: accuracy when answers exist, and the mean score."""
+        policy.eval()
+        scores, correct, samples = [], [], []
+        for i in range(0, len(eval_rows), 128):
+            rows = eval_rows[i : i + 128]
+            ids, mask = (t.to(device) for t in common.pad(eval_prompts[i : i + 128], tokenizer.pad_token_id, "left"))
+            with autocast:
+                completion_ids, cmask = generate(policy, ids, mask, tokenizer, args, greedy=True)
+                s = reward_scores(reward_model, torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1))
+            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            scores += s.tolist()
+            if has_answers:
+                correct += [common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)]
+            samples += [[r["prompt"], t, v] for r, t, v in zip(rows, texts, s.tolist())][: max(0, 5 - len(samples))]
+        policy.train()
+        metrics = {"eval/score": float(np.mean(scores))}
+        if has_answers:
+            metrics["eval/accuracy"] = float(np.mean(correct))
+        log(metrics, step, samples)
+        return metrics
+
+    start = evaluate(0)
+    print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
+    batches = common.shuffled_batches(len(train_rows), args.prompts_per_step, args.seed)
+    progress = tqdm(range(1, args.steps + 1), desc="ppo", dynamic_ncols=True)
+    for step in progress:
+        # 1. rollout: sample completions from π_θold, score them, and record everything PPO needs
+        prompt_ids, prompt_mask = (t.to(device) for t in common.pad([prompts[i] for i in next(batches)], tokenizer.pad_token_id, "left"))
+        policy.eval()
+        with autocast:
+            completion_ids, mask = generate(policy, prompt_ids, prompt_mask, tokenizer, args)
+        policy.train()
+        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
+        T = completion_ids.shape[1]
+        with torch.no_grad(), autocast:
+            old_logps = forward_logps(policy, input_ids, attention_mask, T, args.temperature)
+            ref_logps = forward_logps(ref, input_ids, attention_mask, T, args.temperature)
+            old_values = critic_values(critic, input_ids, attention_mask, T)
+            scores = reward_scores(reward_model, input_ids, attention_mask)
+        has_eos = (completion_ids == tokenizer.eos_token_id).any(1)
+        scores = scores - args.missing_eos_penalty * (~has_eos).float()
+
+        # 2. per-token rewards with the KL penalty, GAE advantages, whitened over the batch
+        rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, args.kl_coef)
+        advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
+        mean = masked_mean(advantages, mask)
+        std = masked_mean((advantages - mean) ** 2, mask).sqrt()
+        advantages = (advantages - mean) / (std + 1e-8) * mask
+
+        # 3. update: num_ppo_epochs passes over num_mini_batches minibatches
+        stats = []
+        mb_size = len(input_ids) // args.num_mini_batches
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(len(input_ids), device=device)
+            for mb in order[: mb_size * args.num_mini_batches].split(mb_size):
+                with autocast:
+                    logps = forward_logps(policy, input_ids[mb], attention_mask[mb], T, args.temperature)
+                    values = critic_values(critic, input_ids[mb], attention_mask[mb], T)
+                pg_loss, pg_stats = ppo_policy_loss(logps, old_logps[mb], advantages[mb], mask[mb], args.clip_eps)
+                vf_loss = ppo_value_loss(values, old_values[mb], returns[mb], mask[mb], args.clip_eps_value)
+                optimizer.zero_grad(set_to_none=True)
+                (pg_loss + args.vf_coef * vf_loss).backward()
+                torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                optimizer.step()
+                vf_clipped = ((values - old_values[mb]).abs() > args.clip_eps_value).float()
+                stats.append([pg_loss.item(), vf_loss.item(), pg_stats["clip_fraction"].item(), pg_stats["approx_kl"].item(),
+                              masked_mean(vf_clipped, mask[mb]).item()])
+        schedule.step()
+
+        kl = ((old_logps - ref_logps) * mask).sum(1)  # per-sequence KL estimate to the reference
+        residual_var = masked_mean((returns - old_values - masked_mean(returns - old_values, mask)) ** 2, mask)
+        returns_var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+        pg, vf, clipfrac, approx_kl, vf_clipfrac = np.mean(stats, axis=0)
+        metrics = {
+            "objective/scores": scores.mean().item(), "objective/kl": kl.mean().item(),
+            "objective/rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
+            "policy/loss": pg, "policy/clip_fraction": clipfrac, "policy/approx_kl": approx_kl,
+            "value/loss": vf, "value/clip_fraction": vf_clipfrac,
+            "value/explained_variance": (1 - residual_var / returns_var.clamp(min=1e-8)).item(),
+            "train/frac_with_eos": has_eos.float().mean().item(), "train/completion_length": mask.sum(1).float().mean().item(),
+        }
+        log(metrics, step)
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            end = evaluate(step)
+            tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()) + f", kl {metrics['objective/kl']:.4f}")
+
+    policy.save_pretrained(args.output_dir)  # the policy alone: a plain causal LM
+    tokenizer.save_pretrained(args.output_dir)
+    metrics_file.close()
+    print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
+    if args.track:
+        wandb.finish()
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    try:
+        main(args)
+    except common.DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,107 @@
+"""ppo.py: GAE, KL-penalised rewards and the clipped losses against naive versions, and an end-to-end run."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import ppo
+from conftest import read_metrics, run_script
+
+
+def random_rollout(B=5, T=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([7, 1, 4, 6, 3])
+    mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    return torch.randn(B, T, generator=g) * mask, torch.randn(B, T, generator=g), mask, lengths
+
+
+def test_compute_gae_matches_naive_reversed_loop():
+    rewards, values, mask, lengths = random_rollout()
+    gamma, lam = 0.9, 0.8
+    advantages, returns = ppo.compute_gae(rewards, values, mask, gamma, lam)
+    for b, n in enumerate(lengths.tolist()):
+        gae = 0.0
+        for t in reversed(range(n)):
+            next_value = values[b, t + 1].item() if t + 1 < n else 0.0  # nothing after the last real token
+            delta = rewards[b, t].item() + gamma * next_value - values[b, t].item()
+            gae = delta + gamma * lam * gae
+            assert advantages[b, t].item() == pytest.approx(gae, abs=1e-5)
+            assert returns[b, t].item() == pytest.approx(gae + values[b, t].item(), abs=1e-5)
+    assert (advantages[mask == 0] == 0).all() and (returns[mask == 0] == 0).all()
+
+
+def test_gae_with_lambda_one_is_return_minus_value():
+    rewards, values, mask, _ = random_rollout()
+    advantages, returns = ppo.compute_gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    reward_to_go = rewards.flip(1).cumsum(1).flip(1) * mask
+    assert torch.allclose(returns, reward_to_go, atol=1e-5)
+
+
+def test_kl_penalized_rewards_put_the_score_at_the_last_real_token():
+    _, _, mask, lengths = random_rollout()
+    logps, ref = -torch.rand(5, 7), -torch.rand(5, 7)
+    scores = torch.arange(5.0) + 1
+    rewards = ppo.kl_penalized_rewards(scores, logps, ref, mask, kl_coef=0.1)
+    expected = -0.1 * (logps - ref) * mask
+    for b, n in enumerate(lengths.tolist()):
+        expected[b, n - 1] += scores[b]
+    assert torch.allclose(rewards, expected) and (rewards[mask == 0] == 0).all()
+
+
+def naive_policy_loss(logps, old, adv, mask, eps):
+    terms = []
+    for b in range(logps.shape[0]):
+        for t in range(logps.shape[1]):
+            if mask[b, t]:
+                rho = torch.exp(logps[b, t] - old[b, t]).item()
+                terms.append(max(-adv[b, t].item() * rho, -adv[b, t].item() * min(max(rho, 1 - eps), 1 + eps)))
+    return sum(terms) / len(terms)
+
+
+def test_policy_and_value_losses_match_naive():
+    rewards, values, mask, _ = random_rollout()
+    g = torch.Generator().manual_seed(1)
+    logps, old = -torch.rand(5, 7, generator=g), -torch.rand(5, 7, generator=g)
+    loss, stats = ppo.ppo_policy_loss(logps, old, rewards, mask, 0.2)
+    assert loss.item() == pytest.approx(naive_policy_loss(logps, old, rewards, mask, 0.2), abs=1e-5)
+    assert 0 < stats["clip_fraction"] < 1 and stats["approx_kl"] > 0
+    old_values, returns = values + torch.randn(5, 7, generator=g) * 0.5, torch.randn(5, 7, generator=g)
+    naive = []
+    for b in range(5):
+        for t in range(7):
+            if mask[b, t]:
+                v, vo, r = values[b, t].item(), old_values[b, t].item(), returns[b, t].item()
+                vc = vo + min(max(v - vo, -0.2), 0.2)
+                naive.append(max((v - r) ** 2, (vc - r) ** 2))
+    assert ppo.ppo_value_loss(values, old_values, returns, mask, 0.2).item() == pytest.approx(0.5 * sum(naive) / len(naive), abs=1e-5)
+
+
+def test_clipped_policy_loss_has_no_gradient_outside_the_trust_region():
+    logps = torch.tensor([[0.5, -0.5]], requires_grad=True)  # ρ ≈ 1.65 with Â > 0, ρ ≈ 0.61 with Â < 0
+    loss, stats = ppo.ppo_policy_loss(logps, torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), 0.2)
+    loss.backward()
+    assert torch.equal(logps.grad, torch.zeros(1, 2)) and stats["clip_fraction"] == 1
+
+
+def test_ppo_end_to_end(sft_run, tmp_path):
+    """A reward model is trained, then PPO raises its score with the KL to the reference logged and bounded.
+    (Held-out accuracy does not rise yet with the small built-in reward model: see the issue's notes.)"""
+    _, model_dir, _ = sft_run
+    run_script("reward_model.py", "--model", str(model_dir), "--steps", "100", "--eval-every", "100", "--run-name", "r", cwd=tmp_path)
+    run_script("ppo.py", "--model", str(model_dir), "--steps", "30", "--eval-every", "30", "--kl-coef", "0.3", "--lr", "1e-5",
+               "--run-name", "p", cwd=tmp_path)
+    metrics = read_metrics(tmp_path, "p")
+    evals = [m for m in metrics if "eval/score" in m]
+    assert evals[-1]["eval/score"] > evals[0]["eval/score"] and "eval/accuracy" in evals[-1]
+    train = [m for m in metrics if "objective/kl" in m]
+    assert all(-0.05 < m["objective/kl"] < 2 for m in train)  # a sampled estimate: ~0 at the start
+    for key in ["objective/scores", "objective/rlhf_reward", "policy/clip_fraction", "policy/approx_kl", "value/loss",
+                "value/clip_fraction", "value/explained_variance", "train/frac_with_eos"]:
+        assert key in train[-1], key
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "ppo") is not None
+
+
+def test_ppo_without_a_reward_model_says_which_command_makes_it(sft_run, tmp_path):
+    _, model_dir, _ = sft_run
+    proc = run_script("ppo.py", "--model", str(model_dir), cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and "python reward_model.py" in proc.stderr
