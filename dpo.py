@@ -131,9 +131,10 @@ def load_model(path: str, trust_remote_code: bool):
 def sequence_logps(model, batch: dict) -> torch.Tensor:
     """Σ_t log π(y_t | x, y_<t) over completion tokens [B]; logits at position t predict token t+1."""
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids).logits
-    P = batch["prompt_ids"].shape[1]
-    return (token_logprobs(logits[:, P - 1 : -1], batch["completion_ids"]) * batch["completion_mask"]).sum(1)
+    T = batch["completion_ids"].shape[1]
+    # only the last T + 1 positions' logits are computed: the prompt's own predictions are never needed
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids, logits_to_keep=T + 1).logits
+    return (token_logprobs(logits[:, :-1], batch["completion_ids"]) * batch["completion_mask"]).sum(1)
 
 
 def pair_batch(rows, tokenizer, max_length: int, device) -> dict:

@@ -168,9 +168,10 @@ def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, **k
 def forward_logps(model, input_ids, attention_mask, completion_ids, temperature: float) -> torch.Tensor:
     """log π(y_t) of each completion token [B,T] at the sampling temperature; logits at t predict t+1."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     T = completion_ids.shape[1]
-    return token_logprobs(logits[:, -T - 1 : -1] / temperature, completion_ids)
+    # only the last T + 1 positions' logits are computed: the prompt's own predictions are never needed
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1).logits
+    return token_logprobs(logits[:, :-1] / temperature, completion_ids)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -250,6 +251,7 @@ def main(args: Args):
     if reward_model is None and any(r["answer"] is None for r in train_rows + eval_rows):
         sys.exit(f"error: dataset '{args.dataset}' has rows without an answer column; pass --reward-model to score completions")
     prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_prompt_length, left_truncate=True)
+    eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_prompt_length, left_truncate=True)
     print(f"policy {args.model} on {device}; {len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
 
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
@@ -273,7 +275,6 @@ def main(args: Args):
         """Greedy completions on held-out prompts: accuracy when answers exist, and the mean reward."""
         policy.eval()
         rewards, correct, samples = [], [], []
-        eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_prompt_length, left_truncate=True)
         for i in range(0, len(eval_rows), 128):
             rows = eval_rows[i : i + 128]
             ids, mask = (t.to(device) for t in common.pad(eval_prompts[i : i + 128], tokenizer.pad_token_id, "left"))

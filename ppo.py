@@ -178,8 +178,9 @@ def position_ids(attention_mask):
 
 def forward_logps(model, input_ids, attention_mask, T: int, temperature: float) -> torch.Tensor:
     """log π(y_t) of the last T tokens [B,T] at the sampling temperature; logits at t predict t+1."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
-    return token_logprobs(logits[:, -T - 1 : -1] / temperature, input_ids[:, -T:])
+    # only the last T + 1 positions' logits are computed: the prompt's own predictions are never needed
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), logits_to_keep=T + 1).logits
+    return token_logprobs(logits[:, :-1] / temperature, input_ids[:, -T:])
 
 
 def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:

@@ -134,9 +134,10 @@ def load_model(path: str, trust_remote_code: bool):
 def forward_logps(model, batch: dict) -> torch.Tensor:
     """log π_θ of each completion token [B,T]; logits at position t predict token t+1."""
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids).logits
-    P = batch["prompt_ids"].shape[1]
-    return token_logprobs(logits[:, P - 1 : -1], batch["completion_ids"])
+    T = batch["completion_ids"].shape[1]
+    # only the last T + 1 positions' logits are computed: the prompt's own predictions are never needed
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids, logits_to_keep=T + 1).logits
+    return token_logprobs(logits[:, :-1], batch["completion_ids"])
 
 
 @torch.no_grad()
