@@ -236,15 +236,14 @@ def main(args: Args):
         tokenizer.pad_token = tokenizer.eos_token
         print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
     policy = load_model(args.model, args.trust_remote_code).to(device)
-    ref = None
-    if args.beta != 0:  # π_ref: a frozen copy of the starting policy, bf16 on CUDA
-        ref = copy.deepcopy(policy).requires_grad_(False).eval()
-        if device.type == "cuda" and args.bf16:
-            ref.to(torch.bfloat16)
+    frozen_dtype = torch.bfloat16 if device.type == "cuda" and args.bf16 else torch.float32
+    ref = None  # π_ref: a frozen copy of the starting policy (not needed when β = 0)
+    if args.beta != 0:
+        ref = copy.deepcopy(policy).to(frozen_dtype).requires_grad_(False).eval()
     reward_model = None
     if args.reward_model:
         reward_model = load_model(args.reward_model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-        reward_model.to(device, torch.bfloat16 if device.type == "cuda" and args.bf16 else torch.float32).requires_grad_(False).eval()
+        reward_model.to(device, frozen_dtype).requires_grad_(False).eval()
 
     train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
@@ -280,8 +279,7 @@ def main(args: Args):
             ids, mask = (t.to(device) for t in common.pad(eval_prompts[i : i + 128], tokenizer.pad_token_id, "left"))
             with autocast:
                 completion_ids, cmask = generate(policy, ids, mask, tokenizer, args, greedy=True)
-            texts = tokenizer.batch_decode(completion_ids * cmask + tokenizer.pad_token_id * (1 - cmask), skip_special_tokens=True)
-            with autocast:
+                texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
                 r = score([x["prompt"] for x in rows], texts, [x["answer"] for x in rows], completion_ids, cmask,
                           {"prompt_ids": ids, "prompt_mask": mask}, reward_model, tokenizer, args)
             rewards += r.tolist()
