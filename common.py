@@ -247,6 +247,8 @@ def tokenize(tokenizer, texts: list[str], add_eos: bool = False, max_length: int
     """Token ids of each text. Prompts keep the tokenizer's own special tokens (e.g. BOS);
     completions (`add_eos=True`) get none but end with exactly one EOS."""
     ids = tokenizer(texts, add_special_tokens=not add_eos)["input_ids"]
+    if not add_eos:  # an empty prompt becomes one EOS, so the first completion token has a context (GPT-2's way)
+        ids = [x or [tokenizer.eos_token_id] for x in ids]
     if add_eos:
         ids = [x if x[-1:] == [tokenizer.eos_token_id] else x + [tokenizer.eos_token_id] for x in ids]
     if max_length is not None:

@@ -83,6 +83,7 @@ def test_tokenize_adds_exactly_one_eos_and_truncates():
     assert common.tokenize(tok, ["58<eos>"], add_eos=True)[0].count(eos) == 1
     assert common.tokenize(tok, ["12345"], max_length=2, left_truncate=True) == common.tokenize(tok, ["45"])
     assert common.tokenize(tok, ["12345"], max_length=2) == common.tokenize(tok, ["12"])
+    assert common.tokenize(tok, [""]) == [[eos]]  # an empty prompt still gives the completion a context
 
 
 # ---------------------------------------------------------------- padding and collation

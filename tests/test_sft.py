@@ -97,3 +97,12 @@ def test_sft_any_model_on_a_conversational_dataset(tmp_path, sft_run):
     assert "eval/accuracy" not in read_metrics(tmp_path, "chat")[0]
     assert losses[-1] < losses[0] * 0.7, losses
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out") is not None
+
+
+def test_sft_on_plain_text_rows(tmp_path, sft_run):
+    """The `text` format (no prompt): every token of the text is a completion token."""
+    _, model_dir, _ = sft_run
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": f"{a}+{a}={2 * a}"}) + "\n" for a in range(50)))
+    run_script("sft.py", "--model", str(model_dir), "--dataset", str(tmp_path / "t.jsonl"), "--steps", "2",
+               "--batch-size", "8", "--eval-every", "2", "--output-dir", "out", "--run-name", "txt", cwd=tmp_path)
+    assert [m["step"] for m in read_metrics(tmp_path, "txt") if "eval/loss" in m] == [0, 2]
