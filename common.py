@@ -48,7 +48,8 @@ def arithmetic_pairs(split: str) -> list[tuple[int, int]]:
 def wrong_sum(a: int, b: int, rng: random.Random) -> int:
     """A plausible wrong answer to a+b: a dropped carry if the sum has one, else one digit off by ±1."""
     correct = a + b
-    carries = [i for i in range(3) if (a // 10**i % 10) + (b // 10**i % 10) + _carry_in(a, b, i) >= 10]
+    # column i carries when the lower i+1 digits of a and b add up to 10^(i+1) or more
+    carries = [i for i in range(3) if a % 10 ** (i + 1) + b % 10 ** (i + 1) >= 10 ** (i + 1)]
     if carries and rng.random() < 0.5:
         return correct - 10 ** (rng.choice(carries) + 1)  # forgot to carry one column into the next
     digits = list(str(correct))
@@ -58,10 +59,6 @@ def wrong_sum(a: int, b: int, rng: random.Random) -> int:
         d = int(digits[i]) - (d - int(digits[i]))  # the other direction stays a valid digit
     digits[i] = str(d)
     return int("".join(digits))
-
-
-def _carry_in(a: int, b: int, column: int) -> int:
-    return int((a % 10**column) + (b % 10**column) >= 10**column) if column else 0
 
 
 def arithmetic_rows(split: str, kind: str) -> list[dict]:

@@ -195,11 +195,9 @@ def generate(model, prompt_ids, prompt_mask, tokenizer, args: Args, greedy: bool
 
 
 @torch.no_grad()
-def score(prompts, texts, answers, completion_ids, mask, batch, reward_model, tokenizer, args: Args):
-    """r_i: answer correctness (+ format bonus), or the reward model's score at the last real token."""
+def score(rows, texts, input_ids, attention_mask, ended, reward_model, args: Args) -> torch.Tensor:
+    """r_i [B]: answer correctness (+ format bonus), or the reward model's score at the last real token."""
     if reward_model is not None:
-        input_ids = torch.cat([batch["prompt_ids"], completion_ids], 1)
-        attention_mask = torch.cat([batch["prompt_mask"], mask], 1)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         hidden = getattr(reward_model, reward_model.base_model_prefix)(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
@@ -208,15 +206,13 @@ def score(prompts, texts, answers, completion_ids, mask, batch, reward_model, to
         scores = reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
         return scores - getattr(reward_model.config, "reward_offset", 0.0)  # reward_model.py's centring
     rewards = []
-    for prompt, text, answer, ended in zip(prompts, texts, answers, (completion_ids == tokenizer.eos_token_id).any(1).tolist()):
+    for row, text, done in zip(rows, texts, ended.tolist()):
         try:
-            r = float(common.is_correct(text, answer))
-            if args.format_reward:
-                r += args.format_reward * float(ended and common.last_number(text) is not None)
+            bonus = args.format_reward * float(done and common.last_number(text) is not None)
+            rewards.append(float(common.is_correct(text, row["answer"])) + bonus)
         except Exception as e:
-            sys.exit(f"error: the reward function failed on completion {text!r} (prompt {prompt!r}): {e!r}")
-        rewards.append(r)
-    return torch.tensor(rewards)
+            sys.exit(f"error: the reward function failed on completion {text!r} (prompt {row['prompt']!r}): {e!r}")
+    return torch.tensor(rewards, device=input_ids.device)
 
 
 def main(args: Args):
@@ -280,8 +276,8 @@ def main(args: Args):
             with autocast:
                 completion_ids, cmask = generate(policy, ids, mask, tokenizer, args, greedy=True)
                 texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-                r = score([x["prompt"] for x in rows], texts, [x["answer"] for x in rows], completion_ids, cmask,
-                          {"prompt_ids": ids, "prompt_mask": mask}, reward_model, tokenizer, args)
+                ended = (completion_ids == tokenizer.eos_token_id).any(1)
+                r = score(rows, texts, torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1), ended, reward_model, args)
             rewards += r.tolist()
             if all(x["answer"] is not None for x in rows):
                 correct += [common.is_correct(t, x["answer"]) for t, x in zip(texts, rows)]
@@ -310,17 +306,16 @@ def main(args: Args):
         policy.train()
         gen_time = time.time() - t0
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
+        ended = (completion_ids == tokenizer.eos_token_id).any(1)
 
         # 2. rewards r_i and group-relative advantages Â_i
         rows = [train_rows[i] for i in idx for _ in range(G)]
         with autocast:
-            rewards = score([r["prompt"] for r in rows], texts, [r["answer"] for r in rows], completion_ids, mask,
-                            {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}, reward_model, tokenizer, args).to(device)
+            rewards = score(rows, texts, input_ids, attention_mask, ended, reward_model, args)
         advantages = group_advantages(rewards, G, scale=args.scale_rewards)
 
         # 3. reference (and, for μ > 1, old) log-probs: once per batch, without gradients
-        input_ids = torch.cat([prompt_ids, completion_ids], 1)
-        attention_mask = torch.cat([prompt_mask, mask], 1)
         micro = [slice(i, i + args.micro_batch_size) for i in range(0, len(input_ids), args.micro_batch_size)]
         with torch.no_grad(), autocast:
             ref_logps = [forward_logps(ref, input_ids[s], attention_mask[s], completion_ids[s], args.temperature) for s in micro] if ref else None
@@ -355,7 +350,7 @@ def main(args: Args):
             "train/kl": totals["kl"], "train/reward_mean": rewards.mean().item(), "train/reward_std": rewards.std().item(),
             "train/frac_groups_equal_reward": (groups.max(1).values == groups.min(1).values).float().mean().item(),
             "train/completion_length": lengths.mean().item(),
-            "train/frac_hit_length_limit": 1 - (completion_ids == tokenizer.eos_token_id).any(1).float().mean().item(),
+            "train/frac_hit_length_limit": 1 - ended.float().mean().item(),
             "time/generation_s": gen_time,
         }
         log(metrics, step)

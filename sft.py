@@ -112,10 +112,10 @@ def tiny_model(tokenizer, args: Args):
         num_key_value_heads=args.num_heads,
         max_position_embeddings=256,
         tie_word_embeddings=True,
-        attention_dropout=0.0,
+        attention_dropout=0.0,  # engineering detail 1: no dropout
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
+        bos_token_id=None,  # the character tokenizer adds no BOS
     )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
@@ -141,9 +141,8 @@ def forward_logps(model, batch: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, rows, args: Args, device, autocast) -> dict:
+def evaluate(model, tokenizer, rows, args: Args, device, autocast) -> tuple[dict, list]:
     """Held-out loss, and greedy exact-match accuracy when the rows have answers; plus a few samples."""
-    was_training = model.training
     model.eval()
     prompts = common.tokenize(tokenizer, [r["prompt"] for r in rows], max_length=args.max_length, left_truncate=True)
     completions = common.tokenize(tokenizer, [r["completion"] for r in rows], add_eos=True, max_length=args.max_length)
@@ -166,7 +165,7 @@ def evaluate(model, tokenizer, rows, args: Args, device, autocast) -> dict:
                 correct += common.is_correct(text, row["answer"])
                 if len(samples) < 5:
                     samples.append([row["prompt"], text, row["answer"]])
-    model.train(was_training)
+    model.train()
     metrics = {"eval/loss": total_nll / max(total_tokens, 1)}
     if has_answers:
         metrics["eval/accuracy"] = correct / len(rows)
@@ -200,9 +199,7 @@ def main(args: Args):
     print(f"data: {len(train_rows)} train rows, {len(eval_rows)} held-out rows from {args.dataset}")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps)
-    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
 
     os.makedirs(f"runs/{run_name}", exist_ok=True)
     metrics_file = open(f"runs/{run_name}/metrics.jsonl", "a")
@@ -223,10 +220,10 @@ def main(args: Args):
         log(metrics, step, samples)
         for prompt, text, answer in samples[:3]:
             tqdm.write(f"  {prompt!r} → {text!r} (answer {answer})")
+        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics
 
     start = run_eval(0)
-    tqdm.write(f"step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
     batches = common.shuffled_batches(len(train_rows), args.batch_size, args.seed)
     progress = tqdm(range(1, args.steps + 1), desc="sft", dynamic_ncols=True)
     for step in progress:
@@ -245,13 +242,11 @@ def main(args: Args):
             log({"train/loss": loss.item(), "train/grad_norm": grad_norm.item(), "train/lr": schedule.get_last_lr()[0]}, step)
         if step % args.eval_every == 0 or step == args.steps:
             end = run_eval(step)
-            tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()))
 
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
     metrics_file.close()
-    summary = ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end)
-    print(f"held-out {summary}; saved to {args.output_dir}")
+    print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
     if args.track:
         wandb.finish()
 

@@ -185,7 +185,6 @@ def test_reward_function_error_names_the_completion(monkeypatch):
         raise ZeroDivisionError("bad reward")
 
     monkeypatch.setattr(common, "is_correct", broken)
-    tok = common.build_char_tokenizer()
-    ids = torch.tensor([[5, tok.eos_token_id]])
-    with pytest.raises(SystemExit, match=r"reward function failed on completion '42'.*ZeroDivisionError"):
-        grpo.score(["1+1="], ["42"], ["2"], ids, torch.ones_like(ids), {}, None, tok, grpo.Args())
+    ids = torch.tensor([[5, 6]])
+    with pytest.raises(SystemExit, match=r"reward function failed on completion '42' \(prompt '1\+1='\).*ZeroDivisionError"):
+        grpo.score([{"prompt": "1+1=", "answer": "2"}], ["42"], ids, torch.ones_like(ids), torch.tensor([True]), None, grpo.Args())
