@@ -142,6 +142,13 @@ def _common_prefix(a, b):
     return a[:n]
 
 
+def _reason(e: BaseException) -> str:
+    """The first line of the innermost cause of an exception (the library's own wrapper says little)."""
+    while e.__cause__ or e.__context__:
+        e = e.__cause__ or e.__context__
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
 def load_raw(dataset: str, split: str, config: str | None = None) -> list[dict]:
     """Rows of a hub dataset or local .jsonl/.json/.parquet file. Without a `test` split the last 10%
     (at most 500 rows) of `train` are held out, the same rows every time."""
@@ -151,17 +158,19 @@ def load_raw(dataset: str, split: str, config: str | None = None) -> list[dict]:
     if ext in (".jsonl", ".json", ".parquet"):
         if not os.path.isfile(dataset):
             raise DataError(f"dataset file not found: {dataset}")
+        if os.path.getsize(dataset) == 0:
+            raise DataError(f"dataset file {dataset} is empty")
         try:
             ds = datasets.load_dataset("parquet" if ext == ".parquet" else "json", data_files=dataset)
         except Exception as e:  # malformed file: say which and why, in one line
-            raise DataError(f"cannot read dataset file {dataset}: {str(e).splitlines()[0]}") from None
+            raise DataError(f"cannot read dataset file {dataset}: {_reason(e)}") from None
     else:
         if config is None and dataset == "openai/gsm8k":
             config = "main"
         try:
             ds = datasets.load_dataset(dataset, config)
         except Exception as e:
-            raise DataError(f"cannot load dataset '{dataset}': {str(e).splitlines()[0]}") from None
+            raise DataError(f"cannot load dataset '{dataset}': {_reason(e)}") from None
     if "test" in ds:
         return ds[split].to_list()
     rows = (ds["train"] if "train" in ds else ds[next(iter(ds))]).to_list()
@@ -248,6 +257,12 @@ def tokenize(tokenizer, texts: list[str], add_eos: bool = False, max_length: int
         ids = [x or [tokenizer.eos_token_id] for x in ids]
     if add_eos:
         ids = [x if x[-1:] == [tokenizer.eos_token_id] else x + [tokenizer.eos_token_id] for x in ids]
+    if max_length is not None and left_truncate:  # prompts: too long for every row is a setting error
+        too_long = sum(len(x) > max_length for x in ids)
+        if ids and too_long == len(ids):
+            raise DataError(f"every prompt is longer than the limit of {max_length} tokens (shortest: {min(map(len, ids))}); raise the prompt length limit")
+        if too_long:
+            print(f"warning: {too_long} of {len(ids)} prompts are longer than {max_length} tokens and are left-truncated")
     if max_length is not None:
         ids = [x[-max_length:] if left_truncate else x[:max_length] for x in ids]
     return ids

@@ -18,6 +18,9 @@ import copy
 import json
 import os
 import random
+import re
+import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -83,6 +86,14 @@ class Args:
     """wandb entity (team or user)"""
     run_name: str | None = None
     """name of the run (runs/<run_name>/metrics.jsonl); default dpo__<seed>__<time>"""
+    save_every: int = 0
+    """write output_dir/checkpoint-<step>/ every this many steps (0: only when stopped by a signal)"""
+    keep_checkpoints: int = 2
+    """newest checkpoints kept; older ones are deleted"""
+    resume: str | None = None
+    """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
+    skip_nonfinite: bool = False
+    """skip optimiser steps whose loss or gradient norm is NaN/inf (counted) instead of stopping"""
 
 
 # ---------------------------------------------------------------- math
@@ -137,15 +148,94 @@ def sequence_logps(model, batch: dict) -> torch.Tensor:
     return (token_logprobs(logits[:, :-1], batch["completion_ids"]) * batch["completion_mask"]).sum(1)
 
 
-def pair_batch(rows, tokenizer, max_length: int, device) -> dict:
+def pair_batch(prompts, rows, tokenizer, max_length: int, device) -> dict:
     """Chosen (first B rows) then rejected (last B rows), each ending with EOS: one concatenated forward."""
-    prompts = common.tokenize(tokenizer, [r["prompt"] for r in rows], max_length=max_length, left_truncate=True)
     completions = common.tokenize(tokenizer, [r["chosen"] for r in rows] + [r["rejected"] for r in rows], add_eos=True, max_length=max_length)
     return {k: v.to(device) for k, v in common.collate(prompts * 2, completions, tokenizer.pad_token_id).items()}
 
 
+# ---------------------------------------------------------------- user errors, checkpoints
+def fail(message: str):
+    """A user error: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args: Args):
+    """Invalid flag values stop the run at once, before any model is loaded."""
+    for name in ["steps", "batch_size", "lr", "warmup_steps", "beta", "eval_every", "eval_size", "max_length", "max_new_tokens", "keep_checkpoints"]:
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
+    if args.save_every < 0:
+        fail(f"--save-every must be 0 (off) or positive (got {args.save_every})")
+    if not 0 <= args.label_smoothing < 0.5:
+        fail(f"--label-smoothing must be in [0, 0.5) (got {args.label_smoothing})")
+
+
+def checkpoints(output_dir: str) -> list[str]:
+    """Complete checkpoints in output_dir, oldest first (`checkpoint-N.tmp` is a write that was cut short)."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    steps = sorted(int(n.split("-")[1]) for n in names if re.fullmatch(r"checkpoint-\d+", n))
+    return [os.path.join(output_dir, f"checkpoint-{s}") for s in steps]
+
+
+def save_checkpoint(args: Args, step: int, model, tokenizer, state: dict) -> str:
+    """output_dir/checkpoint-<step>/: model + tokenizer (loadable as they are) and trainer_state.pt
+    (optimiser, scheduler, RNG states, data position, step, args). Written to a temporary directory
+    and renamed into place, so a kill at any moment leaves the previous checkpoint whole."""
+    path = os.path.join(args.output_dir, f"checkpoint-{step}")
+    shutil.rmtree(path + ".tmp", ignore_errors=True)
+    model.save_pretrained(path + ".tmp")
+    tokenizer.save_pretrained(path + ".tmp")
+    np_rng = np.random.get_state()
+    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+           "python": random.getstate(), "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:])}
+    torch.save({**state, "step": step, "args": asdict(args), "rng": rng}, os.path.join(path + ".tmp", "trainer_state.pt"))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(path + ".tmp", path)
+    for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
+        shutil.rmtree(old)
+    return path
+
+
+def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
+    """--resume: the given checkpoint directory, or `latest` in output_dir (none yet: start afresh)."""
+    path = args.resume
+    if path == "latest":
+        path = (checkpoints(args.output_dir) or [None])[-1]
+        if path is None:
+            print(f"note: no checkpoint in {args.output_dir} yet; starting from scratch")
+    if path is None:
+        return None, None
+    if not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        fail(f"--resume {path}: not a checkpoint directory (no trainer_state.pt)")
+    return path, torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+
+
+def restore_rng(rng: dict):
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate(rng["python"])
+    name, keys, *rest = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+
+
+def open_metrics(run_name: str, resumed_step: int | None):
+    """runs/<run_name>/metrics.jsonl for appending; on resume, rows logged after the checkpoint are dropped."""
+    path = f"runs/{run_name}/metrics.jsonl"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if resumed_step is not None and os.path.exists(path):
+        rows = [line for line in open(path).read().splitlines() if line.endswith("}")]  # not a row cut short
+        with open(path, "w") as f:
+            f.writelines(line + "\n" for line in rows if json.loads(line)["step"] <= resumed_step)
+    return open(path, "a")
+
+
 def main(args: Args):
-    run_name = args.run_name or f"dpo__{args.seed}__{int(time.time())}"
+    check_args(args)
+    checkpoint, state = load_checkpoint(args)
+    run_name = state["run_name"] if state else args.run_name or f"dpo__{args.seed}__{int(time.time())}"
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -153,14 +243,19 @@ def main(args: Args):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
 
     if args.model == "models/sft" and not os.path.isdir(args.model):
-        sys.exit("error: models/sft not found: run `python sft.py` first (or pass --model)")
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        fail("models/sft not found: run `python sft.py` first (or pass --model)")
+    try:
+        path = args.model
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        policy = load_model(checkpoint or path, args.trust_remote_code).to(device).train()
+        # π_ref: the starting policy (also on resume), frozen, eval mode, never with gradients; bf16 on CUDA
+        path = args.ref_model or args.model
+        ref = load_model(path, args.trust_remote_code) if args.ref_model or checkpoint else copy.deepcopy(policy)
+    except (OSError, ValueError) as e:
+        fail(f"cannot load model {path!r}: {str(e).strip().splitlines()[0]}")
     if tokenizer.pad_token is None:  # masks come from lengths, so padding with EOS is safe
         tokenizer.pad_token = tokenizer.eos_token
         print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
-    policy = load_model(args.model, args.trust_remote_code).to(device).train()
-    # π_ref: frozen, eval mode, never with gradients; bf16 on CUDA
-    ref = load_model(args.ref_model, args.trust_remote_code) if args.ref_model else copy.deepcopy(policy)
     ref.to(device).requires_grad_(False).eval()
     if device.type == "cuda" and args.bf16:
         ref.to(torch.bfloat16)
@@ -168,25 +263,31 @@ def main(args: Args):
     train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
     has_answers = all(r.get("answer") is not None for r in eval_rows)
+    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
+    eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_length, left_truncate=True)
     print(f"policy {args.model} on {device}; {len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}")
 
     @torch.no_grad()
-    def ref_logps(rows) -> torch.Tensor:
+    def ref_logps(prompt_ids, rows) -> torch.Tensor:
         with autocast:
-            return sequence_logps(ref, pair_batch(rows, tokenizer, args.max_length, device)).float()
+            return sequence_logps(ref, pair_batch(prompt_ids, rows, tokenizer, args.max_length, device)).float()
 
     # Reference log-probs: computed once per pair, the first time it is drawn, then reused every epoch.
-    ref_cache = torch.full((len(train_rows), 2), float("nan"), device=device)
-    eval_ref = torch.cat([ref_logps(eval_rows[i : i + 128]).view(2, -1).T for i in range(0, len(eval_rows), 128)])
+    ref_cache = state["ref_cache"].to(device) if state else torch.full((len(train_rows), 2), float("nan"), device=device)
+    eval_ref = torch.cat([ref_logps(eval_prompts[i : i + 128], eval_rows[i : i + 128]).view(2, -1).T for i in range(0, len(eval_rows), 128)])
 
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
-    os.makedirs(f"runs/{run_name}", exist_ok=True)
-    metrics_file = open(f"runs/{run_name}/metrics.jsonl", "a")
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        print(f"resuming from {checkpoint} (step {state['step']})")
+    metrics_file = open_metrics(run_name, state["step"] if state else None)
     if args.track:
         import wandb
 
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args))
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args),
+                   id=state.get("wandb_id") if state else None, resume="allow")
 
     def log(metrics: dict, step: int, samples=None):
         metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -202,7 +303,7 @@ def main(args: Args):
         wins, correct, samples = [], [], []
         for i in range(0, len(eval_rows), 128):
             rows = eval_rows[i : i + 128]
-            batch = pair_batch(rows, tokenizer, args.max_length, device)
+            batch = pair_batch(eval_prompts[i : i + 128], rows, tokenizer, args.max_length, device)
             with autocast:
                 chosen, rejected = sequence_logps(policy, batch).float().chunk(2)
             wins += ((chosen - eval_ref[i : i + 128, 0]) > (rejected - eval_ref[i : i + 128, 1])).tolist()
@@ -223,17 +324,26 @@ def main(args: Args):
         log(metrics, step, samples)
         return metrics
 
-    start = evaluate(0)
+    start = state["start"] if state else evaluate(0)
     print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
+    end, last_checkpoint, skipped = start, checkpoint, state["skipped"] if state else 0
+    first_step = state["step"] + 1 if state else 1
     batches = common.shuffled_batches(len(train_rows), args.batch_size, args.seed)
-    progress = tqdm(range(1, args.steps + 1), desc="dpo", dynamic_ncols=True)
+    for _ in range(first_step - 1):  # the data position: batches already drawn
+        next(batches)
+    if state:
+        restore_rng(state["rng"])
+    stop = []  # SIGINT/SIGTERM: finish the step, save a checkpoint, exit 0; a second signal stops at once
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _: (stop.append(signal.Signals(signum).name), signal.signal(signum, signal.SIG_DFL)))
+    progress = tqdm(range(first_step, args.steps + 1), desc="dpo", dynamic_ncols=True)
     for step in progress:
         idx = next(batches)
         rows = [train_rows[i] for i in idx]
         missing = [i for i in idx if ref_cache[i, 0].isnan()]
         if missing:
-            ref_cache[missing] = ref_logps([train_rows[i] for i in missing]).view(2, -1).T
-        batch = pair_batch(rows, tokenizer, args.max_length, device)
+            ref_cache[missing] = ref_logps([prompts[i] for i in missing], [train_rows[i] for i in missing]).view(2, -1).T
+        batch = pair_batch([prompts[i] for i in idx], rows, tokenizer, args.max_length, device)
         with autocast:  # chosen and rejected in one concatenated forward pass
             policy_chosen, policy_rejected = sequence_logps(policy, batch).chunk(2)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
@@ -243,11 +353,17 @@ def main(args: Args):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-        optimizer.step()
+        if torch.isfinite(loss) and torch.isfinite(grad_norm):
+            optimizer.step()
+        elif args.skip_nonfinite:
+            skipped += 1
+        else:
+            sys.exit(f"error: non-finite loss ({loss.item()}) or gradient norm ({grad_norm.item()}) at step {step}; "
+                     f"last good checkpoint: {last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
         schedule.step()
         progress.set_postfix(loss=f"{loss.item():.4f}")
         log({
-            "train/loss": loss.item(), "train/grad_norm": grad_norm.item(),
+            "train/loss": loss.item(), "train/grad_norm": grad_norm.item(), "train/skipped_steps": skipped,
             "rewards/chosen": chosen_rewards.mean().item(), "rewards/rejected": rejected_rewards.mean().item(),
             "rewards/margins": (chosen_rewards - rejected_rewards).mean().item(),
             "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean().item(),
@@ -256,6 +372,14 @@ def main(args: Args):
         if step % args.eval_every == 0 or step == args.steps:
             end = evaluate(step)
             tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()))
+        if (args.save_every and step % args.save_every == 0) or stop:
+            last_checkpoint = save_checkpoint(args, step, policy, tokenizer, {
+                "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "run_name": run_name, "start": start,
+                "skipped": skipped, "batches_drawn": step, "ref_cache": ref_cache.cpu(), "wandb_id": wandb.run.id if args.track else None,
+            })
+        if stop:
+            print(f"stopped by {stop[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
+            sys.exit(0)
 
     policy.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
@@ -270,5 +394,4 @@ if __name__ == "__main__":
     try:
         main(args)
     except common.DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(e))

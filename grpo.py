@@ -16,8 +16,12 @@ Shao et al. 2024, DeepSeekMath (arXiv:2402.03300); DeepSeek-R1 (arXiv:2501.12948
 
 import copy
 import json
+import math
 import os
 import random
+import re
+import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -94,6 +98,14 @@ class Args:
     """wandb entity (team or user)"""
     run_name: str | None = None
     """name of the run (runs/<run_name>/metrics.jsonl); default grpo__<seed>__<time>"""
+    save_every: int = 0
+    """write output_dir/checkpoint-<step>/ every this many steps (0: only when stopped by a signal)"""
+    keep_checkpoints: int = 2
+    """newest checkpoints kept; older ones are deleted"""
+    resume: str | None = None
+    """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
+    skip_nonfinite: bool = False
+    """skip optimiser steps whose loss or gradient norm is NaN/inf (counted) instead of stopping"""
 
 
 # ---------------------------------------------------------------- math
@@ -211,14 +223,95 @@ def score(rows, texts, input_ids, attention_mask, ended, reward_model, args: Arg
             bonus = args.format_reward * float(done and common.last_number(text) is not None)
             rewards.append(float(common.is_correct(text, row["answer"])) + bonus)
         except Exception as e:
-            sys.exit(f"error: the reward function failed on completion {text!r} (prompt {row['prompt']!r}): {e!r}")
+            fail(f"the reward function failed on completion {text!r} (prompt {row['prompt']!r}): {e!r}")
     return torch.tensor(rewards, device=input_ids.device)
 
 
-def main(args: Args):
+# ---------------------------------------------------------------- user errors, checkpoints
+def fail(message: str):
+    """A user error: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args: Args):
+    """Invalid flag values stop the run at once, before any model is loaded."""
+    for name in ["steps", "prompts_per_step", "num_iterations", "micro_batch_size", "lr", "warmup_steps", "clip_eps", "temperature",
+                 "max_new_tokens", "max_prompt_length", "eval_every", "eval_size", "keep_checkpoints"]:
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
+    if args.save_every < 0:
+        fail(f"--save-every must be 0 (off) or positive (got {args.save_every})")
     if args.group_size < 2:
-        sys.exit("error: --group-size must be at least 2 (a group of one has no baseline)")
-    run_name = args.run_name or f"grpo__{args.seed}__{int(time.time())}"
+        fail(f"--group-size must be at least 2: a group of one has no baseline (got {args.group_size})")
+    if args.beta < 0:
+        fail(f"--beta must be 0 (no reference model) or positive (got {args.beta})")
+
+
+def checkpoints(output_dir: str) -> list[str]:
+    """Complete checkpoints in output_dir, oldest first (`checkpoint-N.tmp` is a write that was cut short)."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    steps = sorted(int(n.split("-")[1]) for n in names if re.fullmatch(r"checkpoint-\d+", n))
+    return [os.path.join(output_dir, f"checkpoint-{s}") for s in steps]
+
+
+def save_checkpoint(args: Args, step: int, model, tokenizer, state: dict) -> str:
+    """output_dir/checkpoint-<step>/: model + tokenizer (loadable as they are) and trainer_state.pt
+    (optimiser, scheduler, RNG states, data position, step, args). Written to a temporary directory
+    and renamed into place, so a kill at any moment leaves the previous checkpoint whole."""
+    path = os.path.join(args.output_dir, f"checkpoint-{step}")
+    shutil.rmtree(path + ".tmp", ignore_errors=True)
+    model.save_pretrained(path + ".tmp")
+    tokenizer.save_pretrained(path + ".tmp")
+    np_rng = np.random.get_state()
+    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+           "python": random.getstate(), "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:])}
+    torch.save({**state, "step": step, "args": asdict(args), "rng": rng}, os.path.join(path + ".tmp", "trainer_state.pt"))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(path + ".tmp", path)
+    for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
+        shutil.rmtree(old)
+    return path
+
+
+def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
+    """--resume: the given checkpoint directory, or `latest` in output_dir (none yet: start afresh)."""
+    path = args.resume
+    if path == "latest":
+        path = (checkpoints(args.output_dir) or [None])[-1]
+        if path is None:
+            print(f"note: no checkpoint in {args.output_dir} yet; starting from scratch")
+    if path is None:
+        return None, None
+    if not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        fail(f"--resume {path}: not a checkpoint directory (no trainer_state.pt)")
+    return path, torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+
+
+def restore_rng(rng: dict):
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate(rng["python"])
+    name, keys, *rest = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+
+
+def open_metrics(run_name: str, resumed_step: int | None):
+    """runs/<run_name>/metrics.jsonl for appending; on resume, rows logged after the checkpoint are dropped."""
+    path = f"runs/{run_name}/metrics.jsonl"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if resumed_step is not None and os.path.exists(path):
+        rows = [line for line in open(path).read().splitlines() if line.endswith("}")]  # not a row cut short
+        with open(path, "w") as f:
+            f.writelines(line + "\n" for line in rows if json.loads(line)["step"] <= resumed_step)
+    return open(path, "a")
+
+
+def main(args: Args):
+    check_args(args)
+    checkpoint, state = load_checkpoint(args)
+    run_name = state["run_name"] if state else args.run_name or f"grpo__{args.seed}__{int(time.time())}"
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -226,38 +319,46 @@ def main(args: Args):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
 
     if args.model == "models/sft" and not os.path.isdir(args.model):
-        sys.exit("error: models/sft not found: run `python sft.py` first (or pass --model)")
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        fail("models/sft not found: run `python sft.py` first (or pass --model)")
+    frozen_dtype = torch.bfloat16 if device.type == "cuda" and args.bf16 else torch.float32
+    ref, reward_model = None, None
+    try:
+        path = args.model
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        policy = load_model(checkpoint or path, args.trust_remote_code).to(device)
+        if args.beta != 0:  # π_ref: the starting policy (also on resume), frozen; not needed when β = 0
+            ref = load_model(path, args.trust_remote_code) if checkpoint else copy.deepcopy(policy)
+            ref.to(device, frozen_dtype).requires_grad_(False).eval()
+        if args.reward_model:
+            path = args.reward_model
+            reward_model = load_model(path, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
+            reward_model.to(device, frozen_dtype).requires_grad_(False).eval()
+    except (OSError, ValueError) as e:
+        fail(f"cannot load model {path!r}: {str(e).strip().splitlines()[0]}")
     if tokenizer.pad_token is None:  # masks come from positions, so padding with EOS is safe
         tokenizer.pad_token = tokenizer.eos_token
         print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
-    policy = load_model(args.model, args.trust_remote_code).to(device)
-    frozen_dtype = torch.bfloat16 if device.type == "cuda" and args.bf16 else torch.float32
-    ref = None  # π_ref: a frozen copy of the starting policy (not needed when β = 0)
-    if args.beta != 0:
-        ref = copy.deepcopy(policy).to(frozen_dtype).requires_grad_(False).eval()
-    reward_model = None
-    if args.reward_model:
-        reward_model = load_model(args.reward_model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-        reward_model.to(device, frozen_dtype).requires_grad_(False).eval()
 
     train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
     if reward_model is None and any(r["answer"] is None for r in train_rows + eval_rows):
-        sys.exit(f"error: dataset '{args.dataset}' has rows without an answer column; pass --reward-model to score completions")
+        fail(f"dataset '{args.dataset}' has rows without an answer column; pass --reward-model to score completions")
     prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_prompt_length, left_truncate=True)
     eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_prompt_length, left_truncate=True)
     print(f"policy {args.model} on {device}; {len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
 
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
-
-    os.makedirs(f"runs/{run_name}", exist_ok=True)
-    metrics_file = open(f"runs/{run_name}/metrics.jsonl", "a")
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        print(f"resuming from {checkpoint} (step {state['step']})")
+    metrics_file = open_metrics(run_name, state["step"] if state else None)
     if args.track:
         import wandb
 
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args))
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args),
+                   id=state.get("wandb_id") if state else None, resume="allow")
 
     def log(metrics: dict, step: int, samples=None):
         metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -289,11 +390,20 @@ def main(args: Args):
         log(metrics, step, samples)
         return metrics
 
-    start = evaluate(0)
+    start = state["start"] if state else evaluate(0)
     print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
+    end, last_checkpoint, skipped = start, checkpoint, state["skipped"] if state else 0
+    first_step = state["step"] + 1 if state else 1
     batches = common.shuffled_batches(len(train_rows), args.prompts_per_step, args.seed)
+    for _ in range(first_step - 1):  # the data position: batches already drawn
+        next(batches)
+    if state:
+        restore_rng(state["rng"])
+    stop = []  # SIGINT/SIGTERM: finish the step, save a checkpoint, exit 0; a second signal stops at once
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _: (stop.append(signal.Signals(signum).name), signal.signal(signum, signal.SIG_DFL)))
     G = args.group_size
-    progress = tqdm(range(1, args.steps + 1), desc="grpo", dynamic_ncols=True)
+    progress = tqdm(range(first_step, args.steps + 1), desc="grpo", dynamic_ncols=True)
     for step in progress:
         # 1. sample G completions for each of N prompts from π_θold (the current policy)
         idx = next(batches)
@@ -339,7 +449,13 @@ def main(args: Args):
                 for key in stats:
                     totals[key] += stats[key].item() * len(logps) / len(input_ids)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            optimizer.step()
+            if math.isfinite(totals["loss"]) and torch.isfinite(grad_norm):
+                optimizer.step()
+            elif args.skip_nonfinite:
+                skipped += 1
+            else:
+                sys.exit(f"error: non-finite loss ({totals['loss']}) or gradient norm ({grad_norm.item()}) at step {step}; "
+                         f"last good checkpoint: {last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
             optimizer.zero_grad(set_to_none=True)
         schedule.step()
 
@@ -351,13 +467,21 @@ def main(args: Args):
             "train/frac_groups_equal_reward": (groups.max(1).values == groups.min(1).values).float().mean().item(),
             "train/completion_length": lengths.mean().item(),
             "train/frac_hit_length_limit": 1 - ended.float().mean().item(),
-            "time/generation_s": gen_time,
+            "train/skipped_steps": skipped, "time/generation_s": gen_time,
         }
         log(metrics, step)
         progress.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", kl=f"{metrics['train/kl']:.4f}")
         if step % args.eval_every == 0 or step == args.steps:
             end = evaluate(step)
             tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()))
+        if (args.save_every and step % args.save_every == 0) or stop:
+            last_checkpoint = save_checkpoint(args, step, policy, tokenizer, {
+                "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "run_name": run_name, "start": start,
+                "skipped": skipped, "batches_drawn": step, "wandb_id": wandb.run.id if args.track else None,
+            })
+        if stop:
+            print(f"stopped by {stop[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
+            sys.exit(0)
 
     policy.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
@@ -372,5 +496,4 @@ if __name__ == "__main__":
     try:
         main(args)
     except common.DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(e))

@@ -19,6 +19,9 @@ import copy
 import json
 import os
 import random
+import re
+import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -96,6 +99,14 @@ class Args:
     """wandb entity (team or user)"""
     run_name: str | None = None
     """name of the run (runs/<run_name>/metrics.jsonl); default ppo__<seed>__<time>"""
+    save_every: int = 0
+    """write output_dir/checkpoint-<step>/ every this many steps (0: only when stopped by a signal)"""
+    keep_checkpoints: int = 2
+    """newest checkpoints kept; older ones are deleted"""
+    resume: str | None = None
+    """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
+    skip_nonfinite: bool = False
+    """skip optimiser steps whose loss or gradient norm is NaN/inf (counted) instead of stopping"""
 
 
 # ---------------------------------------------------------------- math
@@ -222,13 +233,97 @@ def reward_scores(reward_model, input_ids, attention_mask) -> torch.Tensor:
     return scores - getattr(reward_model.config, "reward_offset", 0.0)
 
 
+# ---------------------------------------------------------------- user errors, checkpoints
+def fail(message: str):
+    """A user error: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args: Args):
+    """Invalid flag values stop the run at once, before any model is loaded."""
+    for name in ["steps", "prompts_per_step", "num_ppo_epochs", "num_mini_batches", "lr", "warmup_steps", "clip_eps", "clip_eps_value",
+                 "temperature", "max_new_tokens", "max_prompt_length", "eval_every", "eval_size", "keep_checkpoints"]:
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
+    if args.save_every < 0:
+        fail(f"--save-every must be 0 (off) or positive (got {args.save_every})")
+    if args.prompts_per_step % args.num_mini_batches:
+        fail(f"--prompts-per-step ({args.prompts_per_step}) must be divisible by --num-mini-batches ({args.num_mini_batches})")
+    if not 0 <= args.lam <= 1 or not 0 <= args.gamma <= 1:
+        fail(f"--gamma and --lam must be in [0, 1] (got {args.gamma}, {args.lam})")
+
+
+def checkpoints(output_dir: str) -> list[str]:
+    """Complete checkpoints in output_dir, oldest first (`checkpoint-N.tmp` is a write that was cut short)."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    steps = sorted(int(n.split("-")[1]) for n in names if re.fullmatch(r"checkpoint-\d+", n))
+    return [os.path.join(output_dir, f"checkpoint-{s}") for s in steps]
+
+
+def save_checkpoint(args: Args, step: int, policy, critic, tokenizer, state: dict) -> str:
+    """output_dir/checkpoint-<step>/: policy + tokenizer (loadable as they are), critic/, and trainer_state.pt
+    (optimiser, scheduler, RNG states, data position, step, args). Written to a temporary directory
+    and renamed into place, so a kill at any moment leaves the previous checkpoint whole."""
+    path = os.path.join(args.output_dir, f"checkpoint-{step}")
+    shutil.rmtree(path + ".tmp", ignore_errors=True)
+    policy.save_pretrained(path + ".tmp")
+    critic.save_pretrained(os.path.join(path + ".tmp", "critic"))
+    tokenizer.save_pretrained(path + ".tmp")
+    np_rng = np.random.get_state()
+    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+           "python": random.getstate(), "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:])}
+    torch.save({**state, "step": step, "args": asdict(args), "rng": rng}, os.path.join(path + ".tmp", "trainer_state.pt"))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(path + ".tmp", path)
+    for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
+        shutil.rmtree(old)
+    return path
+
+
+def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
+    """--resume: the given checkpoint directory, or `latest` in output_dir (none yet: start afresh)."""
+    path = args.resume
+    if path == "latest":
+        path = (checkpoints(args.output_dir) or [None])[-1]
+        if path is None:
+            print(f"note: no checkpoint in {args.output_dir} yet; starting from scratch")
+    if path is None:
+        return None, None
+    if not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        fail(f"--resume {path}: not a checkpoint directory (no trainer_state.pt)")
+    return path, torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+
+
+def restore_rng(rng: dict):
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate(rng["python"])
+    name, keys, *rest = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+
+
+def open_metrics(run_name: str, resumed_step: int | None):
+    """runs/<run_name>/metrics.jsonl for appending; on resume, rows logged after the checkpoint are dropped."""
+    path = f"runs/{run_name}/metrics.jsonl"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if resumed_step is not None and os.path.exists(path):
+        rows = [line for line in open(path).read().splitlines() if line.endswith("}")]  # not a row cut short
+        with open(path, "w") as f:
+            f.writelines(line + "\n" for line in rows if json.loads(line)["step"] <= resumed_step)
+    return open(path, "a")
+
+
 def main(args: Args):
+    check_args(args)
     for name in ("model", "reward_model"):
         path = getattr(args, name)
         if path in ("models/sft", "models/reward") and not os.path.isdir(path):
             script = "sft.py" if name == "model" else "reward_model.py"
-            sys.exit(f"error: {path} not found: run `python {script}` first (or pass --{name.replace('_', '-')})")
-    run_name = args.run_name or f"ppo__{args.seed}__{int(time.time())}"
+            fail(f"{path} not found: run `python {script}` first (or pass --{name.replace('_', '-')})")
+    checkpoint, state = load_checkpoint(args)
+    run_name = state["run_name"] if state else args.run_name or f"ppo__{args.seed}__{int(time.time())}"
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -236,15 +331,23 @@ def main(args: Args):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
     frozen_dtype = torch.bfloat16 if device.type == "cuda" and args.bf16 else torch.float32
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    # Four models: policy and critic train; reference and reward model are frozen (eval, no grad).
+    # On resume, policy and critic come from the checkpoint; π_ref and r_ϕ are always the starting ones.
+    try:
+        path = args.model
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        ref = load_model(path, args.trust_remote_code).to(device, frozen_dtype).requires_grad_(False).eval()
+        policy = load_model(checkpoint or path, args.trust_remote_code).to(device)
+        path = args.reward_model
+        reward_model = load_model(path, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
+        # V_ψ starts from r_ϕ: it already knows what scores well
+        critic = load_model(os.path.join(checkpoint, "critic"), args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1) if checkpoint else copy.deepcopy(reward_model)
+    except (OSError, ValueError) as e:
+        fail(f"cannot load model {path!r}: {str(e).strip().splitlines()[0]}")
     if tokenizer.pad_token is None:  # masks come from positions, so padding with EOS is safe
         tokenizer.pad_token = tokenizer.eos_token
         print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
-    # Four models: policy and critic train; reference and reward model are frozen (eval, no grad).
-    policy = load_model(args.model, args.trust_remote_code).to(device)
-    ref = copy.deepcopy(policy).to(frozen_dtype).requires_grad_(False).eval()
-    reward_model = load_model(args.reward_model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-    critic = copy.deepcopy(reward_model).to(device)  # V_ψ starts from r_ϕ: it already knows what scores well
+    critic.to(device)
     reward_model.to(device, frozen_dtype).requires_grad_(False).eval()
 
     train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
@@ -256,12 +359,16 @@ def main(args: Args):
 
     optimizer = torch.optim.AdamW(list(policy.parameters()) + list(critic.parameters()), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
-    os.makedirs(f"runs/{run_name}", exist_ok=True)
-    metrics_file = open(f"runs/{run_name}/metrics.jsonl", "a")
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        print(f"resuming from {checkpoint} (step {state['step']})")
+    metrics_file = open_metrics(run_name, state["step"] if state else None)
     if args.track:
         import wandb
 
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args))
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args),
+                   id=state.get("wandb_id") if state else None, resume="allow")
 
     def log(metrics: dict, step: int, samples=None):
         metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -293,10 +400,19 @@ def main(args: Args):
         log(metrics, step, samples)
         return metrics
 
-    start = evaluate(0)
+    start = state["start"] if state else evaluate(0)
     print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
+    end, last_checkpoint, skipped = start, checkpoint, state["skipped"] if state else 0
+    first_step = state["step"] + 1 if state else 1
     batches = common.shuffled_batches(len(train_rows), args.prompts_per_step, args.seed)
-    progress = tqdm(range(1, args.steps + 1), desc="ppo", dynamic_ncols=True)
+    for _ in range(first_step - 1):  # the data position: batches already drawn
+        next(batches)
+    if state:
+        restore_rng(state["rng"])
+    stop = []  # SIGINT/SIGTERM: finish the step, save a checkpoint, exit 0; a second signal stops at once
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _: (stop.append(signal.Signals(signum).name), signal.signal(signum, signal.SIG_DFL)))
+    progress = tqdm(range(first_step, args.steps + 1), desc="ppo", dynamic_ncols=True)
     for step in progress:
         # 1. rollout: sample completions from π_θold, score them, and record everything PPO needs
         prompt_ids, prompt_mask = (t.to(device) for t in common.pad([prompts[i] for i in next(batches)], tokenizer.pad_token_id, "left"))
@@ -332,11 +448,18 @@ def main(args: Args):
                     values = critic_values(critic, input_ids[mb], attention_mask[mb], T)
                 pg_loss, pg_stats = ppo_policy_loss(logps, old_logps[mb], advantages[mb], mask[mb], args.clip_eps)
                 vf_loss = ppo_value_loss(values, old_values[mb], returns[mb], mask[mb], args.clip_eps_value)
+                loss = pg_loss + args.vf_coef * vf_loss
                 optimizer.zero_grad(set_to_none=True)
-                (pg_loss + args.vf_coef * vf_loss).backward()
-                torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                optimizer.step()
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                grad_norm += torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                if torch.isfinite(loss) and torch.isfinite(grad_norm):
+                    optimizer.step()
+                elif args.skip_nonfinite:
+                    skipped += 1
+                else:
+                    sys.exit(f"error: non-finite loss ({loss.item()}) or gradient norm ({grad_norm.item()}) at step {step}; "
+                             f"last good checkpoint: {last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
                 vf_clipped = ((values - old_values[mb]).abs() > args.clip_eps_value).float()
                 stats.append([pg_loss.item(), vf_loss.item(), pg_stats["clip_fraction"].item(), pg_stats["approx_kl"].item(),
                               masked_mean(vf_clipped, mask[mb]).item()])
@@ -353,12 +476,21 @@ def main(args: Args):
             "value/loss": vf, "value/clip_fraction": vf_clipfrac,
             "value/explained_variance": (1 - residual_var / returns_var.clamp(min=1e-8)).item(),
             "train/frac_with_eos": has_eos.float().mean().item(), "train/completion_length": mask.sum(1).float().mean().item(),
+            "train/skipped_steps": skipped,
         }
         log(metrics, step)
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
         if step % args.eval_every == 0 or step == args.steps:
             end = evaluate(step)
             tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()) + f", kl {metrics['objective/kl']:.4f}")
+        if (args.save_every and step % args.save_every == 0) or stop:
+            last_checkpoint = save_checkpoint(args, step, policy, critic, tokenizer, {
+                "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "run_name": run_name, "start": start,
+                "skipped": skipped, "batches_drawn": step, "wandb_id": wandb.run.id if args.track else None,
+            })
+        if stop:
+            print(f"stopped by {stop[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
+            sys.exit(0)
 
     policy.save_pretrained(args.output_dir)  # the policy alone: a plain causal LM
     tokenizer.save_pretrained(args.output_dir)
@@ -373,5 +505,4 @@ if __name__ == "__main__":
     try:
         main(args)
     except common.DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(e))

@@ -16,6 +16,9 @@ fine-tunes any causal LM on any prompt/completion or messages dataset.
 import json
 import os
 import random
+import re
+import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -79,6 +82,14 @@ class Args:
     """wandb entity (team or user)"""
     run_name: str | None = None
     """name of the run (runs/<run_name>/metrics.jsonl); default sft__<seed>__<time>"""
+    save_every: int = 0
+    """write output_dir/checkpoint-<step>/ every this many steps (0: only when stopped by a signal)"""
+    keep_checkpoints: int = 2
+    """newest checkpoints kept; older ones are deleted"""
+    resume: str | None = None
+    """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
+    skip_nonfinite: bool = False
+    """skip optimiser steps whose loss or gradient norm is NaN/inf (counted) instead of stopping"""
 
 
 # ---------------------------------------------------------------- math
@@ -172,20 +183,102 @@ def evaluate(model, tokenizer, rows, args: Args, device, autocast) -> tuple[dict
     return metrics, samples
 
 
+# ---------------------------------------------------------------- user errors, checkpoints
+def fail(message: str):
+    """A user error: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args: Args):
+    """Invalid flag values stop the run at once, before any model is loaded."""
+    for name in ["steps", "batch_size", "lr", "warmup_steps", "eval_every", "eval_size", "max_length", "max_new_tokens", "keep_checkpoints"]:
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
+    if args.save_every < 0:
+        fail(f"--save-every must be 0 (off) or positive (got {args.save_every})")
+
+
+def checkpoints(output_dir: str) -> list[str]:
+    """Complete checkpoints in output_dir, oldest first (`checkpoint-N.tmp` is a write that was cut short)."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    steps = sorted(int(n.split("-")[1]) for n in names if re.fullmatch(r"checkpoint-\d+", n))
+    return [os.path.join(output_dir, f"checkpoint-{s}") for s in steps]
+
+
+def save_checkpoint(args: Args, step: int, model, tokenizer, state: dict) -> str:
+    """output_dir/checkpoint-<step>/: model + tokenizer (loadable as they are) and trainer_state.pt
+    (optimiser, scheduler, RNG states, data position, step, args). Written to a temporary directory
+    and renamed into place, so a kill at any moment leaves the previous checkpoint whole."""
+    path = os.path.join(args.output_dir, f"checkpoint-{step}")
+    shutil.rmtree(path + ".tmp", ignore_errors=True)
+    model.save_pretrained(path + ".tmp")
+    tokenizer.save_pretrained(path + ".tmp")
+    np_rng = np.random.get_state()
+    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+           "python": random.getstate(), "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:])}
+    torch.save({**state, "step": step, "args": asdict(args), "rng": rng}, os.path.join(path + ".tmp", "trainer_state.pt"))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(path + ".tmp", path)
+    for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
+        shutil.rmtree(old)
+    return path
+
+
+def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
+    """--resume: the given checkpoint directory, or `latest` in output_dir (none yet: start afresh)."""
+    path = args.resume
+    if path == "latest":
+        path = (checkpoints(args.output_dir) or [None])[-1]
+        if path is None:
+            print(f"note: no checkpoint in {args.output_dir} yet; starting from scratch")
+    if path is None:
+        return None, None
+    if not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        fail(f"--resume {path}: not a checkpoint directory (no trainer_state.pt)")
+    return path, torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+
+
+def restore_rng(rng: dict):
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate(rng["python"])
+    name, keys, *rest = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+
+
+def open_metrics(run_name: str, resumed_step: int | None):
+    """runs/<run_name>/metrics.jsonl for appending; on resume, rows logged after the checkpoint are dropped."""
+    path = f"runs/{run_name}/metrics.jsonl"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if resumed_step is not None and os.path.exists(path):
+        rows = [line for line in open(path).read().splitlines() if line.endswith("}")]  # not a row cut short
+        with open(path, "w") as f:
+            f.writelines(line + "\n" for line in rows if json.loads(line)["step"] <= resumed_step)
+    return open(path, "a")
+
+
 def main(args: Args):
-    run_name = args.run_name or f"sft__{args.seed}__{int(time.time())}"
+    check_args(args)
+    checkpoint, state = load_checkpoint(args)
+    run_name = state["run_name"] if state else args.run_name or f"sft__{args.seed}__{int(time.time())}"
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
 
-    if args.model is None:
+    if args.model is None and checkpoint is None:
         tokenizer = common.build_char_tokenizer()
         model = tiny_model(tokenizer, args)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-        model = load_model(args.model, args.trust_remote_code)
+        path = checkpoint or args.model
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+            model = load_model(path, args.trust_remote_code)
+        except (OSError, ValueError) as e:
+            fail(f"cannot load model {path!r}: {str(e).strip().splitlines()[0]}")
         if tokenizer.pad_token is None:  # masks come from lengths, so padding with EOS is safe
             tokenizer.pad_token = tokenizer.eos_token
             print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
@@ -200,13 +293,17 @@ def main(args: Args):
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        print(f"resuming from {checkpoint} (step {state['step']})")
 
-    os.makedirs(f"runs/{run_name}", exist_ok=True)
-    metrics_file = open(f"runs/{run_name}/metrics.jsonl", "a")
+    metrics_file = open_metrics(run_name, state["step"] if state else None)
     if args.track:
         import wandb
 
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args))
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args),
+                   id=state.get("wandb_id") if state else None, resume="allow")
 
     def log(metrics: dict, step: int, samples=None):
         metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -223,9 +320,18 @@ def main(args: Args):
         tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics
 
-    start = run_eval(0)
+    start = state["start"] if state else run_eval(0)
+    end, last_checkpoint, skipped = start, checkpoint, state["skipped"] if state else 0
+    first_step = state["step"] + 1 if state else 1
     batches = common.shuffled_batches(len(train_rows), args.batch_size, args.seed)
-    progress = tqdm(range(1, args.steps + 1), desc="sft", dynamic_ncols=True)
+    for _ in range(first_step - 1):  # the data position: batches already drawn
+        next(batches)
+    if state:
+        restore_rng(state["rng"])
+    stop = []  # SIGINT/SIGTERM: finish the step, save a checkpoint, exit 0; a second signal stops at once
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _: (stop.append(signal.Signals(signum).name), signal.signal(signum, signal.SIG_DFL)))
+    progress = tqdm(range(first_step, args.steps + 1), desc="sft", dynamic_ncols=True)
     for step in progress:
         idx = next(batches)
         batch = {k: v.to(device) for k, v in common.collate([prompts[i] for i in idx], [completions[i] for i in idx], tokenizer.pad_token_id).items()}
@@ -235,13 +341,27 @@ def main(args: Args):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        optimizer.step()
+        if torch.isfinite(loss) and torch.isfinite(grad_norm):
+            optimizer.step()
+        elif args.skip_nonfinite:
+            skipped += 1
+        else:
+            sys.exit(f"error: non-finite loss ({loss.item()}) or gradient norm ({grad_norm.item()}) at step {step}; "
+                     f"last good checkpoint: {last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
         schedule.step()
         progress.set_postfix(loss=f"{loss.item():.4f}")
         if step % 10 == 0:
-            log({"train/loss": loss.item(), "train/grad_norm": grad_norm.item(), "train/lr": schedule.get_last_lr()[0]}, step)
+            log({"train/loss": loss.item(), "train/grad_norm": grad_norm.item(), "train/lr": schedule.get_last_lr()[0], "train/skipped_steps": skipped}, step)
         if step % args.eval_every == 0 or step == args.steps:
             end = run_eval(step)
+        if (args.save_every and step % args.save_every == 0) or stop:
+            last_checkpoint = save_checkpoint(args, step, model, tokenizer, {
+                "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "run_name": run_name, "start": start,
+                "skipped": skipped, "batches_drawn": step, "wandb_id": wandb.run.id if args.track else None,
+            })
+        if stop:
+            print(f"stopped by {stop[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
+            sys.exit(0)
 
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
@@ -256,5 +376,4 @@ if __name__ == "__main__":
     try:
         main(args)
     except common.DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(e))

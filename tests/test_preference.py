@@ -70,9 +70,10 @@ def test_reward_scores_read_at_the_last_real_token(sft_run):
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = reward_model.load_reward_model(str(model_dir), False).eval()
     rows = [{"prompt": "1+2=", "chosen": "3", "rejected": "4"}, {"prompt": "123+456=", "chosen": "579", "rejected": "589"}]
-    batch = reward_model.pair_batch(rows, tok, 64, "cpu")
+    prompts = common.tokenize(tok, [r["prompt"] for r in rows])
+    batch = reward_model.pair_batch(prompts, rows, tok, 64, "cpu")
     scores = reward_model.reward_scores(model, batch["input_ids"], batch["attention_mask"])
-    alone = reward_model.pair_batch(rows[:1], tok, 64, "cpu")
+    alone = reward_model.pair_batch(prompts[:1], rows[:1], tok, 64, "cpu")
     single = reward_model.reward_scores(model, alone["input_ids"], alone["attention_mask"])
     assert torch.allclose(scores[[0, 2]], single, atol=1e-5)  # padding changes nothing
 

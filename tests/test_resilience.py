@@ -1,0 +1,207 @@
+"""Resilience: checkpoint/resume (bit-exact on CPU), kills during a checkpoint write, SIGTERM, the
+non-finite guard, and one-line errors (exit code 2, no traceback) for user mistakes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+import common
+import sft
+from conftest import ROOT, read_metrics, run_script
+
+
+def start_script(script: str, *args: str, cwd):
+    return subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_until(condition, proc, timeout=300):
+    deadline = time.time() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"exited {proc.returncode} before the condition held\n{out[-2000:]}\n{err[-2000:]}")
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def without_timings(rows):
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+
+
+@pytest.fixture(scope="module")
+def models(sft_run, tmp_path_factory):
+    """The session SFT model and a reward model made from it (random head: enough to run PPO)."""
+    _, sft_dir, _ = sft_run
+    reward_dir = tmp_path_factory.mktemp("rm") / "reward"
+    AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1).save_pretrained(reward_dir)
+    AutoTokenizer.from_pretrained(sft_dir).save_pretrained(reward_dir)
+    return {"sft": str(sft_dir), "reward": str(reward_dir)}
+
+
+SMALL = {  # a few quick steps of each script; {sft} and {reward} are filled from the fixture
+    "sft.py": ["--steps", "40", "--batch-size", "16", "--eval-every", "1000", "--eval-size", "16"],
+    "reward_model.py": ["--model", "{sft}", "--steps", "40", "--batch-size", "8", "--eval-every", "1000", "--eval-size", "16"],
+    "dpo.py": ["--model", "{sft}", "--steps", "40", "--batch-size", "8", "--eval-every", "1000", "--eval-size", "16"],
+    "grpo.py": ["--model", "{sft}", "--steps", "20", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "1000", "--eval-size", "16"],
+    "ppo.py": ["--model", "{sft}", "--reward-model", "{reward}", "--steps", "20", "--prompts-per-step", "8", "--eval-every", "1000", "--eval-size", "16"],
+}
+
+
+def small(script, models, *extra):
+    return [a.format(**models) for a in SMALL[script]] + list(extra)
+
+
+@pytest.mark.parametrize("script", ["sft.py", "dpo.py", "grpo.py"])
+def test_kill_and_resume_reproduces_the_uninterrupted_run(script, models, tmp_path):
+    """2N steps in one go == the same run SIGKILLed after a checkpoint and resumed: metrics and weights."""
+    run_script(script, *small(script, models, "--output-dir", "models/whole", "--run-name", "whole"), cwd=tmp_path)
+    proc = start_script(script, *small(script, models, "--output-dir", "models/cut", "--run-name", "cut", "--save-every", "4"), cwd=tmp_path)
+    wait_until(lambda: (tmp_path / "models/cut/checkpoint-4").is_dir(), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL and not (tmp_path / "models/cut/model.safetensors").exists()
+    resumed = run_script(script, *small(script, models, "--output-dir", "models/cut", "--save-every", "4", "--resume", "latest"), cwd=tmp_path)
+    assert "resuming from models/cut/checkpoint-" in resumed.stdout
+    assert without_timings(read_metrics(tmp_path, "cut")) == without_timings(read_metrics(tmp_path, "whole"))
+    whole, cut = load_file(tmp_path / "models/whole/model.safetensors"), load_file(tmp_path / "models/cut/model.safetensors")
+    assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
+    assert len(sft.checkpoints(str(tmp_path / "models/cut"))) == 2  # --keep-checkpoints 2 pruned the rest
+
+
+def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path):
+    """A process killed inside save_checkpoint leaves only a .tmp directory; the older checkpoint loads."""
+    code = f"""
+import os, signal, sys, torch
+sys.path.insert(0, {str(ROOT)!r})
+import common, sft
+args = sft.Args(output_dir={str(tmp_path / 'out')!r})
+tokenizer = common.build_char_tokenizer()
+model = sft.tiny_model(tokenizer, args)
+sft.save_checkpoint(args, 1, model, tokenizer, {{"note": "first"}})
+torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # die half-way through the second write
+sft.save_checkpoint(args, 2, model, tokenizer, {{"note": "second"}})
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    out = tmp_path / "out"
+    assert (out / "checkpoint-2.tmp" / "model.safetensors").exists()  # the cut-short write
+    assert sft.checkpoints(str(out)) == [str(out / "checkpoint-1")]
+    state = torch.load(out / "checkpoint-1" / "trainer_state.pt", weights_only=True)
+    assert state["note"] == "first" and state["step"] == 1
+    AutoModelForCausalLM.from_pretrained(out / "checkpoint-1")
+    path, state = sft.load_checkpoint(sft.Args(output_dir=str(out), resume="latest"))
+    assert path == str(out / "checkpoint-1") and state["step"] == 1
+
+
+@pytest.mark.parametrize("script", list(SMALL))
+def test_sigterm_saves_a_checkpoint_and_exits_zero(script, models, tmp_path):
+    proc = start_script(script, *small(script, models, "--steps", "100000", "--run-name", "r", "--output-dir", "out"), cwd=tmp_path)
+    metrics = tmp_path / "runs/r/metrics.jsonl"
+    wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc)  # step 0 eval + training
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert "stopped by SIGTERM" in out
+    (checkpoint,) = sft.checkpoints(str(tmp_path / "out"))
+    state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=True)
+    assert state["step"] >= 1 and state["run_name"] == "r" and {"optimizer", "schedule", "rng", "args"} <= set(state)
+    cls = AutoModelForSequenceClassification if script == "reward_model.py" else AutoModelForCausalLM
+    cls.from_pretrained(checkpoint)
+    if script == "ppo.py":
+        AutoModelForSequenceClassification.from_pretrained(os.path.join(checkpoint, "critic"))
+
+
+@pytest.fixture(scope="module")
+def nan_model(tmp_path_factory):
+    """A tiny model with one NaN weight: every loss is NaN (a corrupted checkpoint, say)."""
+    path = tmp_path_factory.mktemp("nan") / "model"
+    tokenizer = common.build_char_tokenizer()
+    model = sft.tiny_model(tokenizer, sft.Args())
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_nonfinite_loss_stops_the_run_naming_the_step(nan_model, tmp_path):
+    proc = run_script("sft.py", "--model", nan_model, "--steps", "3", "--eval-size", "8", cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "non-finite loss (nan)" in proc.stderr and "at step 1" in proc.stderr and "last good checkpoint: none" in proc.stderr
+
+
+def test_skip_nonfinite_counts_skipped_steps(nan_model, tmp_path):
+    run_script("sft.py", "--model", nan_model, "--steps", "10", "--eval-size", "8", "--skip-nonfinite", "--run-name", "s", cwd=tmp_path)
+    assert [r["train/skipped_steps"] for r in read_metrics(tmp_path, "s") if "train/skipped_steps" in r] == [10]
+
+
+# ---------------------------------------------------------------- user errors: exit code 2, one line
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "empty.jsonl").write_text("")
+    (d / "garbage.jsonl").write_text("this is not json {\n")
+    (d / "sft_rows.jsonl").write_text(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
+    (d / "long.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(100, 120)))
+    return d
+
+
+ERRORS = [  # script, flags, what the one line must say; run in an empty directory (no models/)
+    ("sft.py", ["--steps", "0"], "--steps must be positive"),
+    ("grpo.py", ["--group-size", "1"], "--group-size must be at least 2"),  # before looking for models/sft
+    ("ppo.py", ["--num-mini-batches", "3"], "must be divisible by --num-mini-batches"),
+    ("dpo.py", ["--label-smoothing", "0.7"], "--label-smoothing must be in [0, 0.5)"),
+    ("reward_model.py", ["--save-every", "-1"], "--save-every must be 0 (off) or positive"),
+    ("sft.py", ["--model", "no-such-org/no-such-model"], "cannot load model 'no-such-org/no-such-model'"),
+    ("dpo.py", ["--model", "{bad}/no_such_dir"], "cannot load model"),
+    ("grpo.py", [], "models/sft not found: run `python sft.py` first"),
+    ("ppo.py", ["--model", "{sft}"], "models/reward not found: run `python reward_model.py` first"),
+    ("ppo.py", ["--model", "{sft}", "--reward-model", "{bad}/missing_rm"], "cannot load model"),
+    ("sft.py", ["--dataset", "{bad}/missing.jsonl"], "dataset file not found"),
+    ("reward_model.py", ["--model", "{sft}", "--dataset", "{bad}/empty.jsonl"], "is empty"),
+    ("sft.py", ["--dataset", "{bad}/garbage.jsonl"], "cannot read dataset file"),
+    ("dpo.py", ["--model", "{sft}", "--dataset", "{bad}/sft_rows.jsonl"], "has no column 'chosen'"),
+    ("grpo.py", ["--model", "{sft}", "--dataset", "{bad}/long.jsonl", "--max-prompt-length", "4"], "every prompt is longer than the limit of 4 tokens"),
+    ("sft.py", ["--resume", "{bad}"], "not a checkpoint directory"),
+    ("dpo.py", ["--loss-type", "bogus"], "invalid choice 'bogus'"),  # tyro's own check (a framed message)
+]
+
+
+@pytest.mark.parametrize("script,flags,message", ERRORS, ids=[f"{s}:{m[:28]}" for s, _, m in ERRORS])
+def test_user_errors_exit_2_with_one_line(script, flags, message, models, bad_files, tmp_path):
+    proc = run_script(script, *[f.format(bad=bad_files, **models) for f in flags], cwd=tmp_path, check=False, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    if "invalid choice" not in message:
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and message in last, proc.stderr[-2000:]
+    else:
+        assert message in proc.stderr
+    assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+def test_some_prompts_too_long_are_truncated_with_a_count(capsys):
+    tok = common.build_char_tokenizer()
+    ids = common.tokenize(tok, ["1+1=", "123+456="], max_length=5, left_truncate=True)
+    assert ids[0] == tok("1+1=")["input_ids"] and ids[1] == tok("+456=")["input_ids"]
+    assert "1 of 2 prompts are longer than 5 tokens" in capsys.readouterr().out
+    with pytest.raises(common.DataError, match="every prompt is longer"):
+        common.tokenize(tok, ["123+456="], max_length=5, left_truncate=True)
+
+
+def test_tokenizer_without_pad_token_is_handled_with_a_note(sft_run, tmp_path):
+    _, sft_dir, _ = sft_run
+    tok = AutoTokenizer.from_pretrained(sft_dir)
+    tok.pad_token = None
+    tok.save_pretrained(tmp_path / "m")
+    AutoModelForCausalLM.from_pretrained(sft_dir).save_pretrained(tmp_path / "m")
+    proc = run_script("dpo.py", "--model", str(tmp_path / "m"), "--steps", "2", "--batch-size", "4", "--eval-size", "8", cwd=tmp_path)
+    assert "no pad token; padding with EOS" in proc.stdout
