@@ -101,15 +101,15 @@ sft.save_checkpoint(args, 2, model, tokenizer, {{"note": "second"}})
     assert path == str(out / "checkpoint-1") and state["step"] == 1
 
 
-@pytest.mark.parametrize("script", list(SMALL))
-def test_sigterm_saves_a_checkpoint_and_exits_zero(script, models, tmp_path):
+@pytest.mark.parametrize("script,sig", [(s, signal.SIGTERM) for s in SMALL] + [("sft.py", signal.SIGINT)])
+def test_a_stop_signal_saves_a_checkpoint_and_exits_zero(script, sig, models, tmp_path):
     proc = start_script(script, *small(script, models, "--steps", "100000", "--run-name", "r", "--output-dir", "out"), cwd=tmp_path)
     metrics = tmp_path / "runs/r/metrics.jsonl"
     wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc)  # step 0 eval + training
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
-    assert "stopped by SIGTERM" in out
+    assert f"stopped by {sig.name}" in out
     (checkpoint,) = sft.checkpoints(str(tmp_path / "out"))
     state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=True)
     assert state["step"] >= 1 and state["run_name"] == "r" and {"optimizer", "schedule", "rng", "args"} <= set(state)
