@@ -13,7 +13,9 @@ fine-tunes any causal LM on any prompt/completion or messages dataset.
     python sft.py --model Qwen/Qwen2.5-0.5B --dataset trl-lib/Capybara --lr 2e-5 --batch-size 16
 """
 
+import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -25,7 +27,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
@@ -45,7 +51,9 @@ class Args:
     steps: int = 600
     """optimiser steps (the default leaves the tiny model moderately good: ~65-70% held-out accuracy)"""
     batch_size: int = 64
-    """sequences per optimiser step"""
+    """sequences per micro-batch and process (one optimiser step: batch_size × grad_accum_steps × processes)"""
+    grad_accum_steps: int = 1
+    """micro-batches whose gradients are summed before each optimiser step"""
     lr: float = 1e-3
     """peak learning rate (AdamW); use ~1e-5 to 5e-5 for pretrained models"""
     warmup_steps: int = 20
@@ -72,6 +80,10 @@ class Args:
     """seed for torch, python and numpy"""
     bf16: bool = True
     """bf16 autocast with fp32 master weights on CUDA (the CPU always runs fp32)"""
+    fsdp: bool = False
+    """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass: much less memory for long sequences, ~1/3 more compute"""
     trust_remote_code: bool = False
     """allow model repositories to run their own code (off: only transformers' own architectures)"""
     track: bool = False
@@ -106,9 +118,12 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
-def sft_loss(logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """ℒ_SFT = −Σ_t mask_t·log π_θ(y_t) / Σ_t mask_t: token-mean negative log-likelihood of completions."""
-    return -(logps * mask).sum() / mask.sum()
+def sft_loss(logps: torch.Tensor, mask: torch.Tensor, num_tokens: float | None = None) -> torch.Tensor:
+    """ℒ_SFT = −Σ_t mask_t·log π_θ(y_t) / Σ_t mask_t: token-mean negative log-likelihood of completions.
+
+    When a step is split into micro-batches (or processes), pass the whole step's token count as
+    `num_tokens`: the micro-batch losses then add up to the token mean of the whole step."""
+    return -(logps * mask).sum() / (mask.sum() if num_tokens is None else num_tokens)
 
 
 # ---------------------------------------------------------------- helpers
@@ -170,6 +185,7 @@ def evaluate(model, tokenizer, rows, args: Args, device, autocast) -> tuple[dict
                 out = model.generate(
                     input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], max_new_tokens=args.max_new_tokens,
                     do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                    synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
                 )
             texts = tokenizer.batch_decode(out[:, batch["prompt_ids"].shape[1] :], skip_special_tokens=True)
             for row, text in zip(rows[i : i + 64], texts):
@@ -181,6 +197,52 @@ def evaluate(model, tokenizer, rows, args: Args, device, autocast) -> tuple[dict
     if has_answers:
         metrics["eval/accuracy"] = correct / len(rows)
     return metrics, samples
+
+
+# ---------------------------------------------------------------- several processes (torchrun)
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device). Under torchrun: one process per device, NCCL on CUDA, gloo on the CPU."""
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def wrap(model, args: Args, device):
+    """DDP (every process holds the model; gradients are averaged), or with --fsdp FSDP2 (each decoder
+    layer's parameters, gradients and optimiser state sharded across processes). One process: as is."""
+    if not dist.is_initialized():
+        return model
+    if args.fsdp:
+        for module in model.modules():
+            if type(module).__name__ in (model._no_split_modules or []):
+                fully_shard(module)
+        return fully_shard(model)
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def mean_over_processes(values: dict, device) -> dict:
+    """Each metric averaged over all processes (a no-op for one)."""
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(values, (t / dist.get_world_size()).tolist()))
+
+
+def save_model(model, tokenizer, path: str, args: Args):
+    """A normal transformers directory, written by rank 0 (under FSDP2 every process helps gather the weights)."""
+    weights = get_model_state_dict(model, options=FULL_STATE) if args.fsdp and dist.is_initialized() else None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(path, state_dict=weights)
+        tokenizer.save_pretrained(path)
+
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 # ---------------------------------------------------------------- user errors, checkpoints
@@ -206,22 +268,31 @@ def checkpoints(output_dir: str) -> list[str]:
     return [os.path.join(output_dir, f"checkpoint-{s}") for s in steps]
 
 
-def save_checkpoint(args: Args, step: int, model, tokenizer, state: dict) -> str:
+def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: dict) -> str:
     """output_dir/checkpoint-<step>/: model + tokenizer (loadable as they are) and trainer_state.pt
-    (optimiser, scheduler, RNG states, data position, step, args). Written to a temporary directory
-    and renamed into place, so a kill at any moment leaves the previous checkpoint whole."""
+    (optimiser, scheduler, each process's RNG states, data position, step, args). Written to a temporary
+    directory and renamed into place, so a kill at any moment leaves the previous checkpoint whole."""
     path = os.path.join(args.output_dir, f"checkpoint-{step}")
-    shutil.rmtree(path + ".tmp", ignore_errors=True)
-    model.save_pretrained(path + ".tmp")
-    tokenizer.save_pretrained(path + ".tmp")
+    main_process = not dist.is_initialized() or dist.get_rank() == 0
+    if main_process:
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+    save_model(model, tokenizer, path + ".tmp", args)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE)  # by parameter name, unsharded
     np_rng = np.random.get_state()
     rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
            "python": random.getstate(), "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:])}
-    torch.save({**state, "step": step, "args": asdict(args), "rng": rng}, os.path.join(path + ".tmp", "trainer_state.pt"))
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(path + ".tmp", path)
-    for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
-        shutil.rmtree(old)
+    rngs = [rng]
+    if dist.is_initialized():
+        rngs = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng)
+    if main_process:
+        torch.save({**state, "optimizer": optimizer_state, "step": step, "args": asdict(args), "rng": rngs}, os.path.join(path + ".tmp", "trainer_state.pt"))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(path + ".tmp", path)
+        for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
+            shutil.rmtree(old)
+    if dist.is_initialized():
+        dist.barrier()
     return path
 
 
@@ -266,7 +337,9 @@ def main(args: Args):
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world, device = init_distributed()
+    if rank:  # only the first process prints, logs and saves
+        sys.stdout = open(os.devnull, "w")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
 
     if args.model is None and checkpoint is None:
@@ -283,29 +356,39 @@ def main(args: Args):
             tokenizer.pad_token = tokenizer.eos_token
             print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
     model.to(device).train()
-    print(f"model: {args.model or 'tiny Qwen2'} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters) on {device}")
+    print(f"model: {args.model or 'tiny Qwen2'} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters) on {device} × {world}")
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trained = wrap(model, args, device)  # the training forward goes through the DDP/FSDP2 wrapper
 
     train_rows = common.load_rows(args.dataset, "train", "sft", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "sft", tokenizer, args.dataset_config)[: args.eval_size]
     prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
     completions = common.tokenize(tokenizer, [r["completion"] for r in train_rows], add_eos=True, max_length=args.max_length)
     print(f"data: {len(train_rows)} train rows, {len(eval_rows)} held-out rows from {args.dataset}")
+    step_rows = args.batch_size * args.grad_accum_steps * world
+    if len(train_rows) < step_rows:
+        fail(f"{len(train_rows)} training rows are fewer than one step's {step_rows} (batch size × accumulation steps × processes)")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
     if state:
-        optimizer.load_state_dict(state["optimizer"])
+        if len(state["rng"]) != world:
+            fail(f"{checkpoint} was written by {len(state['rng'])} processes; resume it with as many")
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
         schedule.load_state_dict(state["schedule"])
         print(f"resuming from {checkpoint} (step {state['step']})")
 
-    metrics_file = open_metrics(run_name, state["step"] if state else None)
-    if args.track:
+    metrics_file = open_metrics(run_name, state["step"] if state else None) if rank == 0 else None
+    if args.track and rank == 0:
         import wandb
 
         wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args),
                    id=state.get("wandb_id") if state else None, resume="allow")
 
     def log(metrics: dict, step: int, samples=None):
+        if rank:
+            return
         metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         metrics_file.flush()
         if args.track:
@@ -323,52 +406,63 @@ def main(args: Args):
     start = state["start"] if state else run_eval(0)
     end, last_checkpoint, skipped = start, checkpoint, state["skipped"] if state else 0
     first_step = state["step"] + 1 if state else 1
-    batches = common.shuffled_batches(len(train_rows), args.batch_size, args.seed)
+    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)  # the same order in every process
     for _ in range(first_step - 1):  # the data position: batches already drawn
         next(batches)
     if state:
-        restore_rng(state["rng"])
+        restore_rng(state["rng"][rank])
     stop = []  # SIGINT/SIGTERM: finish the step, save a checkpoint, exit 0; a second signal stops at once
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _: (stop.append(signal.Signals(signum).name), signal.signal(signum, signal.SIG_DFL)))
-    progress = tqdm(range(first_step, args.steps + 1), desc="sft", dynamic_ncols=True)
+    progress = tqdm(range(first_step, args.steps + 1), desc="sft", dynamic_ncols=True, disable=rank > 0 or None)
     for step in progress:
         idx = next(batches)
-        batch = {k: v.to(device) for k, v in common.collate([prompts[i] for i in idx], [completions[i] for i in idx], tokenizer.pad_token_id).items()}
-        with autocast:
-            logps = forward_logps(model, batch)
-        loss = sft_loss(logps, batch["completion_mask"])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        num_tokens = sum(len(completions[i]) for i in idx)  # the whole step's, over micro-batches and processes
+        loss = 0.0
+        for k in range(args.grad_accum_steps):
+            mine = idx[(k * world + rank) * args.batch_size :][: args.batch_size]  # this process's share
+            batch = {key: v.to(device) for key, v in common.collate([prompts[i] for i in mine], [completions[i] for i in mine], tokenizer.pad_token_id).items()}
+            # DDP averages gradients over processes: scaling by `world` turns that into the step's token sum
+            with trained.no_sync() if isinstance(trained, DDP) and k < args.grad_accum_steps - 1 else contextlib.nullcontext():
+                with autocast:
+                    logps = forward_logps(trained, batch)
+                micro_loss = sft_loss(logps, batch["completion_mask"], num_tokens / world)
+                micro_loss.backward()
+            loss += micro_loss.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        if torch.isfinite(loss) and torch.isfinite(grad_norm):
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+        loss, stopping = mean_over_processes({"loss": loss, "stop": float(bool(stop))}, device).values()
+        if math.isfinite(loss) and torch.isfinite(grad_norm):
             optimizer.step()
         elif args.skip_nonfinite:
             skipped += 1
         else:
-            sys.exit(f"error: non-finite loss ({loss.item()}) or gradient norm ({grad_norm.item()}) at step {step}; "
+            sys.exit(f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
                      f"last good checkpoint: {last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
+        optimizer.zero_grad(set_to_none=True)
         schedule.step()
-        progress.set_postfix(loss=f"{loss.item():.4f}")
+        progress.set_postfix(loss=f"{loss:.4f}")
         if step % 10 == 0:
-            log({"train/loss": loss.item(), "train/grad_norm": grad_norm.item(), "train/lr": schedule.get_last_lr()[0], "train/skipped_steps": skipped}, step)
+            log({"train/loss": loss, "train/grad_norm": grad_norm.item(), "train/lr": schedule.get_last_lr()[0], "train/skipped_steps": skipped}, step)
         if step % args.eval_every == 0 or step == args.steps:
             end = run_eval(step)
-        if (args.save_every and step % args.save_every == 0) or stop:
-            last_checkpoint = save_checkpoint(args, step, model, tokenizer, {
-                "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "run_name": run_name, "start": start,
-                "skipped": skipped, "batches_drawn": step, "wandb_id": wandb.run.id if args.track else None,
+        if (args.save_every and step % args.save_every == 0) or stopping:  # a signal to any process stops all
+            last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, {
+                "schedule": schedule.state_dict(), "run_name": run_name, "start": start, "skipped": skipped,
+                "batches_drawn": step, "wandb_id": wandb.run.id if args.track and rank == 0 else None,
             })
-        if stop:
-            print(f"stopped by {stop[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
+        if stopping:
+            print(f"stopped by {(stop or ['a signal to another process'])[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
             sys.exit(0)
 
-    model.save_pretrained(args.output_dir)
-    tokenizer.save_pretrained(args.output_dir)
-    metrics_file.close()
+    save_model(model, tokenizer, args.output_dir, args)
     print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
-    if args.track:
+    if rank == 0:
+        metrics_file.close()
+    if args.track and rank == 0:
         wandb.finish()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
