@@ -13,6 +13,7 @@ maximises r_ϕ (Ouyang et al. 2022, InstructGPT; Bradley & Terry 1952).
 """
 
 import json
+import math
 import os
 import random
 import re
@@ -24,8 +25,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -45,7 +49,9 @@ class Args:
     steps: int = 500
     """optimiser steps"""
     batch_size: int = 128
-    """preference pairs per step"""
+    """preference pairs per micro-batch and process (one optimiser step: batch_size × grad_accum_steps × processes)"""
+    grad_accum_steps: int = 1
+    """micro-batches whose gradients are summed before each optimiser step"""
     lr: float = 3e-4
     """peak learning rate (AdamW); use ~1e-5 for pretrained models"""
     warmup_steps: int = 20
@@ -64,6 +70,10 @@ class Args:
     """seed for torch, python and numpy"""
     bf16: bool = True
     """bf16 autocast with fp32 master weights on CUDA (the CPU runs fp32)"""
+    fsdp: bool = False
+    """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass: much less memory for long sequences, ~1/3 more compute"""
     trust_remote_code: bool = False
     """allow model repositories to run their own code"""
     track: bool = False
@@ -120,6 +130,61 @@ def pair_batch(prompts, rows, tokenizer, max_length: int, device) -> dict:
     return {k: v.to(device) for k, v in common.collate(prompts * 2, completions, tokenizer.pad_token_id).items()}
 
 
+# ---------------------------------------------------------------- several processes (torchrun)
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device). Under torchrun: one process per device, NCCL on CUDA, gloo on the CPU."""
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def wrap(model, args: Args):
+    """Under torchrun with --fsdp: FSDP2 shards each decoder layer, the rest of the backbone, and the score
+    head (reward_scores calls those two directly). Otherwise every process holds the whole model."""
+    if dist.is_initialized() and args.fsdp:
+        for module in model.modules():
+            if type(module).__name__ in (model._no_split_modules or []):
+                fully_shard(module)
+        fully_shard(getattr(model, model.base_model_prefix))
+        fully_shard(model.score)
+    return model
+
+
+def average_gradients(model, args: Args):
+    """Data parallel by hand: each gradient becomes its mean over processes (DDP would need the forward to
+    go through its wrapper, and reward_scores reads the backbone). FSDP2 averages by itself."""
+    if dist.is_initialized() and not args.fsdp:
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+
+
+def mean_over_processes(values: dict, device) -> dict:
+    """Each metric averaged over all processes (a no-op for one)."""
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(values, (t / dist.get_world_size()).tolist()))
+
+
+def save_model(model, tokenizer, path: str, args: Args):
+    """A normal transformers directory, written by rank 0 (under FSDP2 every process helps gather the weights)."""
+    weights = get_model_state_dict(model, options=FULL_STATE) if args.fsdp and dist.is_initialized() else None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(path, state_dict=weights)
+        tokenizer.save_pretrained(path)
+
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
 # ---------------------------------------------------------------- user errors, checkpoints
 def fail(message: str):
     """A user error: one line on stderr, exit code 2, no traceback."""
@@ -145,22 +210,31 @@ def checkpoints(output_dir: str) -> list[str]:
     return [os.path.join(output_dir, f"checkpoint-{s}") for s in steps]
 
 
-def save_checkpoint(args: Args, step: int, model, tokenizer, state: dict) -> str:
+def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: dict) -> str:
     """output_dir/checkpoint-<step>/: model + tokenizer (loadable as they are) and trainer_state.pt
-    (optimiser, scheduler, RNG states, data position, step, args). Written to a temporary directory
-    and renamed into place, so a kill at any moment leaves the previous checkpoint whole."""
+    (optimiser, scheduler, each process's RNG states, data position, step, args). Written to a temporary
+    directory and renamed into place, so a kill at any moment leaves the previous checkpoint whole."""
     path = os.path.join(args.output_dir, f"checkpoint-{step}")
-    shutil.rmtree(path + ".tmp", ignore_errors=True)
-    model.save_pretrained(path + ".tmp")
-    tokenizer.save_pretrained(path + ".tmp")
+    main_process = not dist.is_initialized() or dist.get_rank() == 0
+    if main_process:
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+    save_model(model, tokenizer, path + ".tmp", args)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE)  # by parameter name, unsharded
     np_rng = np.random.get_state()
     rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
            "python": random.getstate(), "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:])}
-    torch.save({**state, "step": step, "args": asdict(args), "rng": rng}, os.path.join(path + ".tmp", "trainer_state.pt"))
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(path + ".tmp", path)
-    for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
-        shutil.rmtree(old)
+    rngs = [rng]
+    if dist.is_initialized():
+        rngs = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng)
+    if main_process:
+        torch.save({**state, "optimizer": optimizer_state, "step": step, "args": asdict(args), "rng": rngs}, os.path.join(path + ".tmp", "trainer_state.pt"))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(path + ".tmp", path)
+        for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
+            shutil.rmtree(old)
+    if dist.is_initialized():
+        dist.barrier()
     return path
 
 
@@ -205,7 +279,9 @@ def main(args: Args):
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world, device = init_distributed()
+    if rank:  # only the first process prints, logs and saves
+        sys.stdout = open(os.devnull, "w")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
 
     if args.model == "models/sft" and not os.path.isdir(args.model):
@@ -219,27 +295,37 @@ def main(args: Args):
         tokenizer.pad_token = tokenizer.eos_token
         print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
     model.config.pad_token_id = tokenizer.pad_token_id
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = wrap(model, args)
 
     train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
     prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
     eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_length, left_truncate=True)
-    print(f"reward model from {args.model} on {device}; {len(train_rows)} train / {len(eval_rows)} held-out pairs")
+    print(f"reward model from {args.model} on {device} × {world}; {len(train_rows)} train / {len(eval_rows)} held-out pairs")
+    step_rows = args.batch_size * args.grad_accum_steps * world
+    if len(train_rows) < step_rows:
+        fail(f"{len(train_rows)} training pairs are fewer than one step's {step_rows} (batch size × accumulation steps × processes)")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
     if state:
-        optimizer.load_state_dict(state["optimizer"])
+        if len(state["rng"]) != world:
+            fail(f"{checkpoint} was written by {len(state['rng'])} processes; resume it with as many")
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
         schedule.load_state_dict(state["schedule"])
         print(f"resuming from {checkpoint} (step {state['step']})")
-    metrics_file = open_metrics(run_name, state["step"] if state else None)
-    if args.track:
+    metrics_file = open_metrics(run_name, state["step"] if state else None) if rank == 0 else None
+    if args.track and rank == 0:
         import wandb
 
         wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args),
                    id=state.get("wandb_id") if state else None, resume="allow")
 
     def log(metrics: dict, step: int):
+        if rank:
+            return
         metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         metrics_file.flush()
         if args.track:
@@ -265,49 +351,59 @@ def main(args: Args):
     print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
     end, last_checkpoint, skipped = start, checkpoint, state["skipped"] if state else 0
     first_step = state["step"] + 1 if state else 1
-    batches = common.shuffled_batches(len(train_rows), args.batch_size, args.seed)
+    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)  # the same order in every process
     for _ in range(first_step - 1):  # the data position: batches already drawn
         next(batches)
     if state:
-        restore_rng(state["rng"])
+        restore_rng(state["rng"][rank])
     stop = []  # SIGINT/SIGTERM: finish the step, save a checkpoint, exit 0; a second signal stops at once
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _: (stop.append(signal.Signals(signum).name), signal.signal(signum, signal.SIG_DFL)))
-    progress = tqdm(range(first_step, args.steps + 1), desc="reward", dynamic_ncols=True)
+    progress = tqdm(range(first_step, args.steps + 1), desc="reward", dynamic_ncols=True, disable=rank > 0 or None)
     for step in progress:
         idx = next(batches)
-        rows = [train_rows[i] for i in idx]
-        batch = pair_batch([prompts[i] for i in idx], rows, tokenizer, args.max_length, device)
-        with autocast:  # chosen and rejected in one forward pass
-            chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
-        margin = torch.tensor([r["margin"] for r in rows], device=device) if "margin" in rows[0] else None
-        loss = bradley_terry_loss(chosen, rejected, margin).mean()
-        if args.center_rewards_coef:
-            loss = loss + args.center_rewards_coef * ((chosen + rejected) ** 2).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        totals = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0}
+        for k in range(args.grad_accum_steps):
+            mine = idx[(k * world + rank) * args.batch_size :][: args.batch_size]  # this process's share
+            rows = [train_rows[i] for i in mine]
+            batch = pair_batch([prompts[i] for i in mine], rows, tokenizer, args.max_length, device)
+            with autocast:  # chosen and rejected in one forward pass
+                chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
+            margin = torch.tensor([r["margin"] for r in rows], device=device) if "margin" in rows[0] else None
+            losses = bradley_terry_loss(chosen, rejected, margin)
+            if args.center_rewards_coef:
+                losses = losses + args.center_rewards_coef * (chosen + rejected) ** 2
+            loss = losses.sum() / (len(idx) / world)  # the step's mean over all its pairs, once averaged over processes
+            loss.backward()
+            totals["loss"] += loss.item()
+            totals["accuracy"] += (chosen > rejected).float().mean().item() / args.grad_accum_steps
+            totals["margin"] += (chosen - rejected).mean().item() / args.grad_accum_steps
+        average_gradients(model, args)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        if torch.isfinite(loss) and torch.isfinite(grad_norm):
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+        metrics = mean_over_processes({**totals, "stop": float(bool(stop))}, device)
+        stopping = metrics.pop("stop")
+        if math.isfinite(metrics["loss"]) and torch.isfinite(grad_norm):
             optimizer.step()
         elif args.skip_nonfinite:
             skipped += 1
         else:
-            sys.exit(f"error: non-finite loss ({loss.item()}) or gradient norm ({grad_norm.item()}) at step {step}; "
+            sys.exit(f"error: non-finite loss ({metrics['loss']}) or gradient norm ({grad_norm.item()}) at step {step}; "
                      f"last good checkpoint: {last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
+        optimizer.zero_grad(set_to_none=True)
         schedule.step()
-        progress.set_postfix(loss=f"{loss.item():.4f}")
-        log({"train/loss": loss.item(), "train/accuracy": (chosen > rejected).float().mean().item(),
-             "train/margin": (chosen - rejected).mean().item(), "train/grad_norm": grad_norm.item(), "train/skipped_steps": skipped}, step)
+        progress.set_postfix(loss=f"{metrics['loss']:.4f}")
+        log({**{f"train/{k}": v for k, v in metrics.items()}, "train/grad_norm": grad_norm.item(), "train/skipped_steps": skipped}, step)
         if step % args.eval_every == 0 or step == args.steps:
             end = evaluate(step)
             tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()))
-        if (args.save_every and step % args.save_every == 0) or stop:
-            last_checkpoint = save_checkpoint(args, step, model, tokenizer, {
-                "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "run_name": run_name, "start": start,
-                "skipped": skipped, "batches_drawn": step, "wandb_id": wandb.run.id if args.track else None,
+        if (args.save_every and step % args.save_every == 0) or stopping:  # a signal to any process stops all
+            last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, {
+                "schedule": schedule.state_dict(), "run_name": run_name, "start": start, "skipped": skipped,
+                "batches_drawn": step, "wandb_id": wandb.run.id if args.track and rank == 0 else None,
             })
-        if stop:
-            print(f"stopped by {stop[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
+        if stopping:
+            print(f"stopped by {(stop or ['a signal to another process'])[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
             sys.exit(0)
 
     # Centre the rewards PPO will see: the mean score over training completions becomes 0. The usual head
@@ -326,13 +422,15 @@ def main(args: Args):
         model.config.reward_offset = 0.0
     else:
         model.config.reward_offset = offset
-    model.save_pretrained(args.output_dir)
-    tokenizer.save_pretrained(args.output_dir)
-    metrics_file.close()
+    save_model(model, tokenizer, args.output_dir, args)
     print(f"held-out pairwise accuracy {start['eval/accuracy']:.4f} → {end['eval/accuracy']:.4f}; "
           f"mean training reward {offset:+.4f} centred to 0; saved to {args.output_dir}")
-    if args.track:
+    if rank == 0:
+        metrics_file.close()
+    if args.track and rank == 0:
         wandb.finish()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
