@@ -15,6 +15,7 @@ Shao et al. 2024, DeepSeekMath (arXiv:2402.03300); DeepSeek-R1 (arXiv:2501.12948
 """
 
 import copy
+import contextlib
 import json
 import math
 import os
@@ -29,7 +30,11 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -51,7 +56,7 @@ class Args:
     steps: int = 150
     """optimisation rounds; each samples prompts_per_step × group_size completions"""
     prompts_per_step: int = 64
-    """prompts sampled per round"""
+    """prompts sampled per round and process (each prompt's whole group stays in its process)"""
     group_size: int = 8
     """G: completions sampled per prompt"""
     num_iterations: int = 1
@@ -88,6 +93,10 @@ class Args:
     """seed for torch, python and numpy"""
     bf16: bool = True
     """bf16 autocast with fp32 master weights on CUDA; the reference in bf16 (the CPU runs fp32)"""
+    fsdp: bool = False
+    """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass: much less memory for long sequences, ~1/3 more compute"""
     trust_remote_code: bool = False
     """allow model repositories to run their own code"""
     track: bool = False
@@ -198,6 +207,7 @@ def generate(model, prompt_ids, prompt_mask, tokenizer, args: Args, greedy: bool
     out = model.generate(
         input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
         # sample from π_θ/T itself: no top-k/top-p from the model's generation config
         **(dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0)),
     )
@@ -225,6 +235,52 @@ def score(rows, texts, input_ids, attention_mask, ended, reward_model, args: Arg
         except Exception as e:
             fail(f"the reward function failed on completion {text!r} (prompt {row['prompt']!r}): {e!r}")
     return torch.tensor(rewards, device=input_ids.device)
+
+
+# ---------------------------------------------------------------- several processes (torchrun)
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device). Under torchrun: one process per device, NCCL on CUDA, gloo on the CPU."""
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def wrap(model, args: Args, device):
+    """DDP (every process holds the model; gradients are averaged), or with --fsdp FSDP2 (each decoder
+    layer's parameters, gradients and optimiser state sharded across processes). One process: as is."""
+    if not dist.is_initialized():
+        return model
+    if args.fsdp:
+        for module in model.modules():
+            if type(module).__name__ in (model._no_split_modules or []):
+                fully_shard(module)
+        return fully_shard(model)
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def mean_over_processes(values: dict, device) -> dict:
+    """Each metric averaged over all processes (a no-op for one)."""
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(values, (t / dist.get_world_size()).tolist()))
+
+
+def save_model(model, tokenizer, path: str, args: Args):
+    """A normal transformers directory, written by rank 0 (under FSDP2 every process helps gather the weights)."""
+    weights = get_model_state_dict(model, options=FULL_STATE) if args.fsdp and dist.is_initialized() else None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(path, state_dict=weights)
+        tokenizer.save_pretrained(path)
+
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 # ---------------------------------------------------------------- user errors, checkpoints
@@ -255,22 +311,31 @@ def checkpoints(output_dir: str) -> list[str]:
     return [os.path.join(output_dir, f"checkpoint-{s}") for s in steps]
 
 
-def save_checkpoint(args: Args, step: int, model, tokenizer, state: dict) -> str:
+def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: dict) -> str:
     """output_dir/checkpoint-<step>/: model + tokenizer (loadable as they are) and trainer_state.pt
-    (optimiser, scheduler, RNG states, data position, step, args). Written to a temporary directory
-    and renamed into place, so a kill at any moment leaves the previous checkpoint whole."""
+    (optimiser, scheduler, each process's RNG states, data position, step, args). Written to a temporary
+    directory and renamed into place, so a kill at any moment leaves the previous checkpoint whole."""
     path = os.path.join(args.output_dir, f"checkpoint-{step}")
-    shutil.rmtree(path + ".tmp", ignore_errors=True)
-    model.save_pretrained(path + ".tmp")
-    tokenizer.save_pretrained(path + ".tmp")
+    main_process = not dist.is_initialized() or dist.get_rank() == 0
+    if main_process:
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+    save_model(model, tokenizer, path + ".tmp", args)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE)  # by parameter name, unsharded
     np_rng = np.random.get_state()
     rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
            "python": random.getstate(), "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:])}
-    torch.save({**state, "step": step, "args": asdict(args), "rng": rng}, os.path.join(path + ".tmp", "trainer_state.pt"))
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(path + ".tmp", path)
-    for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
-        shutil.rmtree(old)
+    rngs = [rng]
+    if dist.is_initialized():
+        rngs = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng)
+    if main_process:
+        torch.save({**state, "optimizer": optimizer_state, "step": step, "args": asdict(args), "rng": rngs}, os.path.join(path + ".tmp", "trainer_state.pt"))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(path + ".tmp", path)
+        for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
+            shutil.rmtree(old)
+    if dist.is_initialized():
+        dist.barrier()
     return path
 
 
@@ -315,7 +380,9 @@ def main(args: Args):
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world, device = init_distributed()
+    if rank:  # only the first process prints, logs and saves
+        sys.stdout = open(os.devnull, "w")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
 
     if args.model == "models/sft" and not os.path.isdir(args.model):
@@ -339,28 +406,40 @@ def main(args: Args):
         tokenizer.pad_token = tokenizer.eos_token
         print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
 
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trained = wrap(policy, args, device)  # the training forward goes through the DDP/FSDP2 wrapper
+    if world > 1:  # every process samples its own completions
+        torch.manual_seed(args.seed + rank)
+
     train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
     if reward_model is None and any(r["answer"] is None for r in train_rows + eval_rows):
         fail(f"dataset '{args.dataset}' has rows without an answer column; pass --reward-model to score completions")
     prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_prompt_length, left_truncate=True)
     eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_prompt_length, left_truncate=True)
-    print(f"policy {args.model} on {device}; {len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
+    print(f"policy {args.model} on {device} × {world}; {len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
+    if len(train_rows) < args.prompts_per_step * world:
+        fail(f"{len(train_rows)} training prompts are fewer than one step's {args.prompts_per_step * world} (prompts per step × processes)")
 
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
     if state:
-        optimizer.load_state_dict(state["optimizer"])
+        if len(state["rng"]) != world:
+            fail(f"{checkpoint} was written by {len(state['rng'])} processes; resume it with as many")
+        set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
         schedule.load_state_dict(state["schedule"])
         print(f"resuming from {checkpoint} (step {state['step']})")
-    metrics_file = open_metrics(run_name, state["step"] if state else None)
-    if args.track:
+    metrics_file = open_metrics(run_name, state["step"] if state else None) if rank == 0 else None
+    if args.track and rank == 0:
         import wandb
 
         wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args),
                    id=state.get("wandb_id") if state else None, resume="allow")
 
     def log(metrics: dict, step: int, samples=None):
+        if rank:
+            return
         metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         metrics_file.flush()
         if args.track:
@@ -394,19 +473,19 @@ def main(args: Args):
     print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
     end, last_checkpoint, skipped = start, checkpoint, state["skipped"] if state else 0
     first_step = state["step"] + 1 if state else 1
-    batches = common.shuffled_batches(len(train_rows), args.prompts_per_step, args.seed)
+    batches = common.shuffled_batches(len(train_rows), args.prompts_per_step * world, args.seed)  # the same order everywhere
     for _ in range(first_step - 1):  # the data position: batches already drawn
         next(batches)
     if state:
-        restore_rng(state["rng"])
+        restore_rng(state["rng"][rank])
     stop = []  # SIGINT/SIGTERM: finish the step, save a checkpoint, exit 0; a second signal stops at once
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _: (stop.append(signal.Signals(signum).name), signal.signal(signum, signal.SIG_DFL)))
     G = args.group_size
-    progress = tqdm(range(first_step, args.steps + 1), desc="grpo", dynamic_ncols=True)
+    progress = tqdm(range(first_step, args.steps + 1), desc="grpo", dynamic_ncols=True, disable=rank > 0 or None)
     for step in progress:
-        # 1. sample G completions for each of N prompts from π_θold (the current policy)
-        idx = next(batches)
+        # 1. sample G completions for each of this process's N prompts from π_θold (the current policy)
+        idx = next(batches)[rank * args.prompts_per_step :][: args.prompts_per_step]
         group_prompts = [prompts[i] for i in idx for _ in range(G)]  # rows i*G … i*G+G-1: one prompt's group
         prompt_ids, prompt_mask = (t.to(device) for t in common.pad(group_prompts, tokenizer.pad_token_id, "left"))
         t0 = time.time()
@@ -432,23 +511,30 @@ def main(args: Args):
             old_logps = [forward_logps(policy, input_ids[s], attention_mask[s], completion_ids[s], args.temperature) for s in micro] if args.num_iterations > 1 else None
 
         # 4. μ optimiser steps on the clipped objective, gradients accumulated over micro-batches
+        batch_tokens = mask.sum().float()  # dapo averages over every token of the step, in all processes
+        if dist.is_initialized():
+            dist.all_reduce(batch_tokens)
+            batch_tokens /= world  # DDP averages the processes' gradients
         for _ in range(args.num_iterations):
             totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
             for k, s in enumerate(micro):
-                with autocast:
-                    logps = forward_logps(policy, input_ids[s], attention_mask[s], completion_ids[s], args.temperature)
-                old = old_logps[k] if old_logps else logps.detach()  # μ = 1: ρ = 1, no extra forward pass
-                loss, stats = grpo_loss(
-                    logps, old, ref_logps[k] if ref else None, advantages[s], mask[s], args.clip_eps, args.beta,
-                    args.loss_type, args.max_new_tokens,
-                )
-                # each micro-batch's share of the batch loss: its tokens (dapo) or its sequences (grpo, dr_grpo)
-                weight = mask[s].sum() / mask.sum() if args.loss_type == "dapo" else len(logps) / len(input_ids)
-                (loss * weight).backward()
+                with trained.no_sync() if isinstance(trained, DDP) and k < len(micro) - 1 else contextlib.nullcontext():
+                    with autocast:
+                        logps = forward_logps(trained, input_ids[s], attention_mask[s], completion_ids[s], args.temperature)
+                    old = old_logps[k] if old_logps else logps.detach()  # μ = 1: ρ = 1, no extra forward pass
+                    loss, stats = grpo_loss(
+                        logps, old, ref_logps[k] if ref else None, advantages[s], mask[s], args.clip_eps, args.beta,
+                        args.loss_type, args.max_new_tokens,
+                    )
+                    # each micro-batch's share of the batch loss: its tokens (dapo) or its sequences (grpo, dr_grpo)
+                    weight = mask[s].sum() / batch_tokens if args.loss_type == "dapo" else len(logps) / len(input_ids)
+                    (loss * weight).backward()
                 totals["loss"] += loss.item() * float(weight)
                 for key in stats:
                     totals[key] += stats[key].item() * len(logps) / len(input_ids)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+            totals = mean_over_processes(totals, device)
             if math.isfinite(totals["loss"]) and torch.isfinite(grad_norm):
                 optimizer.step()
             elif args.skip_nonfinite:
@@ -461,34 +547,37 @@ def main(args: Args):
 
         lengths = mask.sum(1).float()
         groups = rewards.view(-1, G)
-        metrics = {
+        metrics = mean_over_processes({
             "train/loss": totals["loss"], "train/grad_norm": grad_norm.item(), "train/clip_fraction": totals["clip_fraction"],
             "train/kl": totals["kl"], "train/reward_mean": rewards.mean().item(), "train/reward_std": rewards.std().item(),
             "train/frac_groups_equal_reward": (groups.max(1).values == groups.min(1).values).float().mean().item(),
             "train/completion_length": lengths.mean().item(),
             "train/frac_hit_length_limit": 1 - ended.float().mean().item(),
-            "train/skipped_steps": skipped, "time/generation_s": gen_time,
-        }
+            "train/skipped_steps": skipped, "time/generation_s": gen_time, "stop": float(bool(stop)),
+        }, device)
+        stopping = metrics.pop("stop")
         log(metrics, step)
         progress.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", kl=f"{metrics['train/kl']:.4f}")
         if step % args.eval_every == 0 or step == args.steps:
             end = evaluate(step)
             tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()))
-        if (args.save_every and step % args.save_every == 0) or stop:
-            last_checkpoint = save_checkpoint(args, step, policy, tokenizer, {
-                "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "run_name": run_name, "start": start,
-                "skipped": skipped, "batches_drawn": step, "wandb_id": wandb.run.id if args.track else None,
+        if (args.save_every and step % args.save_every == 0) or stopping:  # a signal to any process stops all
+            last_checkpoint = save_checkpoint(args, step, policy, tokenizer, optimizer, {
+                "schedule": schedule.state_dict(), "run_name": run_name, "start": start, "skipped": skipped,
+                "batches_drawn": step, "wandb_id": wandb.run.id if args.track and rank == 0 else None,
             })
-        if stop:
-            print(f"stopped by {stop[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
+        if stopping:
+            print(f"stopped by {(stop or ['a signal to another process'])[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
             sys.exit(0)
 
-    policy.save_pretrained(args.output_dir)
-    tokenizer.save_pretrained(args.output_dir)
-    metrics_file.close()
+    save_model(policy, tokenizer, args.output_dir, args)
     print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
-    if args.track:
+    if rank == 0:
+        metrics_file.close()
+    if args.track and rank == 0:
         wandb.finish()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
