@@ -17,6 +17,7 @@ Schulman et al. 2017 (arXiv:1707.06347), GAE: Schulman et al. 2016 (arXiv:1506.0
 
 import copy
 import json
+import math
 import os
 import random
 import re
@@ -28,7 +29,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -89,6 +94,10 @@ class Args:
     """seed for torch, python and numpy"""
     bf16: bool = True
     """bf16 autocast with fp32 master weights on CUDA; reference and reward model in bf16 (the CPU runs fp32)"""
+    fsdp: bool = False
+    """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass: much less memory for long sequences, ~1/3 more compute"""
     trust_remote_code: bool = False
     """allow model repositories to run their own code"""
     track: bool = False
@@ -218,6 +227,7 @@ def generate(model, prompt_ids, prompt_mask, tokenizer, args: Args, greedy: bool
     out = model.generate(
         input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
         **(dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0)),
     )
     completion_ids = out[:, prompt_ids.shape[1] :]
@@ -231,6 +241,73 @@ def reward_scores(reward_model, input_ids, attention_mask) -> torch.Tensor:
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)
     scores = head_outputs(reward_model, input_ids, attention_mask)[torch.arange(len(last)), last]
     return scores - getattr(reward_model.config, "reward_offset", 0.0)
+
+
+# ---------------------------------------------------------------- several processes (torchrun)
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device). Under torchrun: one process per device, NCCL on CUDA, gloo on the CPU."""
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def wrap(model, args: Args, device):
+    """DDP (every process holds the model; gradients are averaged), or with --fsdp FSDP2 (each decoder
+    layer's parameters, gradients and optimiser state sharded across processes). One process: as is."""
+    if not dist.is_initialized():
+        return model
+    if args.fsdp:
+        for module in model.modules():
+            if type(module).__name__ in (model._no_split_modules or []):
+                fully_shard(module)
+        return fully_shard(model)
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def wrap_critic(critic, args: Args):
+    """The critic is read through its backbone and score head (head_outputs): under FSDP2 those two are
+    sharded (and each decoder layer); otherwise every process holds it and average_gradients syncs it."""
+    if dist.is_initialized() and args.fsdp:
+        for module in critic.modules():
+            if type(module).__name__ in (critic._no_split_modules or []):
+                fully_shard(module)
+        fully_shard(getattr(critic, critic.base_model_prefix))
+        fully_shard(critic.score)
+    return critic
+
+
+def average_gradients(model, args: Args):
+    """Data parallel by hand for the critic: each gradient becomes its mean over processes."""
+    if dist.is_initialized() and not args.fsdp:
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+
+
+def mean_over_processes(values: dict, device) -> dict:
+    """Each metric averaged over all processes (a no-op for one)."""
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(values, (t / dist.get_world_size()).tolist()))
+
+
+def save_model(model, tokenizer, path: str, args: Args):
+    """A normal transformers directory, written by rank 0 (under FSDP2 every process helps gather the weights)."""
+    weights = get_model_state_dict(model, options=FULL_STATE) if args.fsdp and dist.is_initialized() else None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(path, state_dict=weights)
+        tokenizer.save_pretrained(path)
+
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 # ---------------------------------------------------------------- user errors, checkpoints
@@ -261,23 +338,33 @@ def checkpoints(output_dir: str) -> list[str]:
     return [os.path.join(output_dir, f"checkpoint-{s}") for s in steps]
 
 
-def save_checkpoint(args: Args, step: int, policy, critic, tokenizer, state: dict) -> str:
+def save_checkpoint(args: Args, step: int, policy, critic, tokenizer, optimizer, state: dict) -> str:
     """output_dir/checkpoint-<step>/: policy + tokenizer (loadable as they are), critic/, and trainer_state.pt
-    (optimiser, scheduler, RNG states, data position, step, args). Written to a temporary directory
-    and renamed into place, so a kill at any moment leaves the previous checkpoint whole."""
+    (optimiser, scheduler, each process's RNG states, data position, step, args). Written to a temporary
+    directory and renamed into place, so a kill at any moment leaves the previous checkpoint whole."""
     path = os.path.join(args.output_dir, f"checkpoint-{step}")
-    shutil.rmtree(path + ".tmp", ignore_errors=True)
-    policy.save_pretrained(path + ".tmp")
-    critic.save_pretrained(os.path.join(path + ".tmp", "critic"))
-    tokenizer.save_pretrained(path + ".tmp")
+    main_process = not dist.is_initialized() or dist.get_rank() == 0
+    if main_process:
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+    save_model(policy, tokenizer, path + ".tmp", args)
+    save_model(critic, tokenizer, os.path.join(path + ".tmp", "critic"), args)
+    both = torch.nn.ModuleDict({"policy": policy, "critic": critic})  # the optimiser holds both
+    optimizer_state = get_optimizer_state_dict(both, optimizer, options=FULL_STATE)  # by parameter name, unsharded
     np_rng = np.random.get_state()
     rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
            "python": random.getstate(), "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:])}
-    torch.save({**state, "step": step, "args": asdict(args), "rng": rng}, os.path.join(path + ".tmp", "trainer_state.pt"))
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(path + ".tmp", path)
-    for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
-        shutil.rmtree(old)
+    rngs = [rng]
+    if dist.is_initialized():
+        rngs = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng)
+    if main_process:
+        torch.save({**state, "optimizer": optimizer_state, "step": step, "args": asdict(args), "rng": rngs}, os.path.join(path + ".tmp", "trainer_state.pt"))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(path + ".tmp", path)
+        for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
+            shutil.rmtree(old)
+    if dist.is_initialized():
+        dist.barrier()
     return path
 
 
@@ -327,7 +414,9 @@ def main(args: Args):
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world, device = init_distributed()
+    if rank:  # only the first process prints, logs and saves
+        sys.stdout = open(os.devnull, "w")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
     frozen_dtype = torch.bfloat16 if device.type == "cuda" and args.bf16 else torch.float32
 
@@ -349,28 +438,42 @@ def main(args: Args):
         print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
     critic.to(device)
     reward_model.to(device, frozen_dtype).requires_grad_(False).eval()
+    if args.gradient_checkpointing:
+        for model in (policy, critic):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trained = wrap(policy, args, device)  # the policy's training forward goes through the DDP/FSDP2 wrapper
+    critic = wrap_critic(critic, args)
+    if world > 1:  # every process samples its own completions
+        torch.manual_seed(args.seed + rank)
 
     train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
     prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_prompt_length, left_truncate=True)
     eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_prompt_length, left_truncate=True)
     has_answers = all(r["answer"] is not None for r in eval_rows)
-    print(f"policy {args.model}, reward model {args.reward_model} on {device}; {len(train_rows)} train / {len(eval_rows)} held-out prompts")
+    print(f"policy {args.model}, reward model {args.reward_model} on {device} × {world}; {len(train_rows)} train / {len(eval_rows)} held-out prompts")
+    if len(train_rows) < args.prompts_per_step * world:
+        fail(f"{len(train_rows)} training prompts are fewer than one step's {args.prompts_per_step * world} (prompts per step × processes)")
 
     optimizer = torch.optim.AdamW(list(policy.parameters()) + list(critic.parameters()), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
     if state:
-        optimizer.load_state_dict(state["optimizer"])
+        if len(state["rng"]) != world:
+            fail(f"{checkpoint} was written by {len(state['rng'])} processes; resume it with as many")
+        both = torch.nn.ModuleDict({"policy": policy, "critic": critic})
+        set_optimizer_state_dict(both, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
         schedule.load_state_dict(state["schedule"])
         print(f"resuming from {checkpoint} (step {state['step']})")
-    metrics_file = open_metrics(run_name, state["step"] if state else None)
-    if args.track:
+    metrics_file = open_metrics(run_name, state["step"] if state else None) if rank == 0 else None
+    if args.track and rank == 0:
         import wandb
 
         wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args),
                    id=state.get("wandb_id") if state else None, resume="allow")
 
     def log(metrics: dict, step: int, samples=None):
+        if rank:
+            return
         metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         metrics_file.flush()
         if args.track:
@@ -404,18 +507,19 @@ def main(args: Args):
     print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
     end, last_checkpoint, skipped = start, checkpoint, state["skipped"] if state else 0
     first_step = state["step"] + 1 if state else 1
-    batches = common.shuffled_batches(len(train_rows), args.prompts_per_step, args.seed)
+    batches = common.shuffled_batches(len(train_rows), args.prompts_per_step * world, args.seed)  # the same order everywhere
     for _ in range(first_step - 1):  # the data position: batches already drawn
         next(batches)
     if state:
-        restore_rng(state["rng"])
+        restore_rng(state["rng"][rank])
     stop = []  # SIGINT/SIGTERM: finish the step, save a checkpoint, exit 0; a second signal stops at once
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _: (stop.append(signal.Signals(signum).name), signal.signal(signum, signal.SIG_DFL)))
-    progress = tqdm(range(first_step, args.steps + 1), desc="ppo", dynamic_ncols=True)
+    progress = tqdm(range(first_step, args.steps + 1), desc="ppo", dynamic_ncols=True, disable=rank > 0 or None)
     for step in progress:
         # 1. rollout: sample completions from π_θold, score them, and record everything PPO needs
-        prompt_ids, prompt_mask = (t.to(device) for t in common.pad([prompts[i] for i in next(batches)], tokenizer.pad_token_id, "left"))
+        idx = next(batches)[rank * args.prompts_per_step :][: args.prompts_per_step]  # this process's prompts
+        prompt_ids, prompt_mask = (t.to(device) for t in common.pad([prompts[i] for i in idx], tokenizer.pad_token_id, "left"))
         policy.eval()
         with autocast:
             completion_ids, mask = generate(policy, prompt_ids, prompt_mask, tokenizer, args)
@@ -444,16 +548,19 @@ def main(args: Args):
             order = torch.randperm(len(input_ids), device=device)
             for mb in order[: mb_size * args.num_mini_batches].split(mb_size):
                 with autocast:
-                    logps = forward_logps(policy, input_ids[mb], attention_mask[mb], T, args.temperature)
+                    logps = forward_logps(trained, input_ids[mb], attention_mask[mb], T, args.temperature)
                     values = critic_values(critic, input_ids[mb], attention_mask[mb], T)
                 pg_loss, pg_stats = ppo_policy_loss(logps, old_logps[mb], advantages[mb], mask[mb], args.clip_eps)
                 vf_loss = ppo_value_loss(values, old_values[mb], returns[mb], mask[mb], args.clip_eps_value)
                 loss = pg_loss + args.vf_coef * vf_loss
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                grad_norm += torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                if torch.isfinite(loss) and torch.isfinite(grad_norm):
+                average_gradients(critic, args)
+                grad_norm = sum(  # FSDP2 returns DTensors
+                    n.full_tensor() if hasattr(n, "full_tensor") else n
+                    for n in (torch.nn.utils.clip_grad_norm_(m.parameters(), args.max_grad_norm) for m in (policy, critic))
+                )
+                if math.isfinite(mean_over_processes({"loss": loss.item()}, device)["loss"]) and torch.isfinite(grad_norm):
                     optimizer.step()
                 elif args.skip_nonfinite:
                     skipped += 1
@@ -469,35 +576,38 @@ def main(args: Args):
         residual_var = masked_mean((returns - old_values - masked_mean(returns - old_values, mask)) ** 2, mask)
         returns_var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
         pg, vf, clipfrac, approx_kl, vf_clipfrac = np.mean(stats, axis=0)
-        metrics = {
+        metrics = mean_over_processes({
             "objective/scores": scores.mean().item(), "objective/kl": kl.mean().item(),
             "objective/rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
             "policy/loss": pg, "policy/clip_fraction": clipfrac, "policy/approx_kl": approx_kl,
             "value/loss": vf, "value/clip_fraction": vf_clipfrac,
             "value/explained_variance": (1 - residual_var / returns_var.clamp(min=1e-8)).item(),
             "train/frac_with_eos": has_eos.float().mean().item(), "train/completion_length": mask.sum(1).float().mean().item(),
-            "train/skipped_steps": skipped,
-        }
+            "train/skipped_steps": skipped, "stop": float(bool(stop)),
+        }, device)
+        stopping = metrics.pop("stop")
         log(metrics, step)
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
         if step % args.eval_every == 0 or step == args.steps:
             end = evaluate(step)
             tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()) + f", kl {metrics['objective/kl']:.4f}")
-        if (args.save_every and step % args.save_every == 0) or stop:
-            last_checkpoint = save_checkpoint(args, step, policy, critic, tokenizer, {
-                "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "run_name": run_name, "start": start,
-                "skipped": skipped, "batches_drawn": step, "wandb_id": wandb.run.id if args.track else None,
+        if (args.save_every and step % args.save_every == 0) or stopping:  # a signal to any process stops all
+            last_checkpoint = save_checkpoint(args, step, policy, critic, tokenizer, optimizer, {
+                "schedule": schedule.state_dict(), "run_name": run_name, "start": start, "skipped": skipped,
+                "batches_drawn": step, "wandb_id": wandb.run.id if args.track and rank == 0 else None,
             })
-        if stop:
-            print(f"stopped by {stop[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
+        if stopping:
+            print(f"stopped by {(stop or ['a signal to another process'])[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
             sys.exit(0)
 
-    policy.save_pretrained(args.output_dir)  # the policy alone: a plain causal LM
-    tokenizer.save_pretrained(args.output_dir)
-    metrics_file.close()
+    save_model(policy, tokenizer, args.output_dir, args)  # the policy alone: a plain causal LM
     print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
-    if args.track:
+    if rank == 0:
+        metrics_file.close()
+    if args.track and rank == 0:
         wandb.finish()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
