@@ -252,7 +252,11 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
 def tokenize(tokenizer, texts: list[str], add_eos: bool = False, max_length: int | None = None, left_truncate=False):
     """Token ids of each text. Prompts keep the tokenizer's own special tokens (e.g. BOS);
     completions (`add_eos=True`) get none but end with exactly one EOS."""
-    ids = tokenizer(texts, add_special_tokens=not add_eos)["input_ids"]
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer itself: ~3× faster on long lists
+    if backend is not None:
+        ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=not add_eos)]
+    else:
+        ids = tokenizer(texts, add_special_tokens=not add_eos)["input_ids"]
     if not add_eos:  # an empty prompt becomes one EOS, so the first completion token has a context (GPT-2's way)
         ids = [x or [tokenizer.eos_token_id] for x in ids]
     if add_eos:

@@ -236,7 +236,12 @@ def mean_over_processes(values: dict, device) -> dict:
 
 def save_model(model, tokenizer, path: str, args: Args):
     """A normal transformers directory, written by rank 0 (under FSDP2 every process helps gather the weights)."""
-    weights = get_model_state_dict(model, options=FULL_STATE) if args.fsdp and dist.is_initialized() else None
+    weights = None
+    if args.fsdp and dist.is_initialized():
+        weights = get_model_state_dict(model, options=FULL_STATE)
+        # a tied parameter (embeddings = LM head) is saved once, under its first name, as transformers does
+        tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+        weights = {k: v for k, v in weights.items() if k not in tied}
     if not dist.is_initialized() or dist.get_rank() == 0:
         model.save_pretrained(path, state_dict=weights)
         tokenizer.save_pretrained(path)

@@ -86,6 +86,18 @@ def test_tokenize_adds_exactly_one_eos_and_truncates():
     assert common.tokenize(tok, [""]) == [[eos]]  # an empty prompt still gives the completion a context
 
 
+def test_tokenize_matches_the_tokenizer_call_with_and_without_special_tokens():
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    backend = common.build_char_tokenizer().backend_tokenizer
+    backend.post_processor = TemplateProcessing(single="<unk> $A", special_tokens=[("<unk>", backend.token_to_id("<unk>"))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    texts = ["12+34=", "a b\nc", "5<eos>"]
+    assert common.tokenize(tok, texts) == tok(texts)["input_ids"] and common.tokenize(tok, texts)[0][0] == tok.unk_token_id
+    assert common.tokenize(tok, texts, add_eos=True) == [x + [tok.eos_token_id] * (x[-1] != tok.eos_token_id) for x in tok(texts, add_special_tokens=False)["input_ids"]]
+
+
 # ---------------------------------------------------------------- padding and collation
 def test_pad_left_and_right():
     ids, mask = common.pad([[5, 6, 7], [8]], pad_id=0, side="left")

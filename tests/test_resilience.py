@@ -85,9 +85,10 @@ import common, sft
 args = sft.Args(output_dir={str(tmp_path / 'out')!r})
 tokenizer = common.build_char_tokenizer()
 model = sft.tiny_model(tokenizer, args)
-sft.save_checkpoint(args, 1, model, tokenizer, {{"note": "first"}})
+optimizer = torch.optim.AdamW(model.parameters())
+sft.save_checkpoint(args, 1, model, tokenizer, optimizer, {{"note": "first"}})
 torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # die half-way through the second write
-sft.save_checkpoint(args, 2, model, tokenizer, {{"note": "second"}})
+sft.save_checkpoint(args, 2, model, tokenizer, optimizer, {{"note": "second"}})
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
