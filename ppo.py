@@ -409,6 +409,7 @@ def open_metrics(run_name: str, resumed_step: int | None):
 
 def main(args: Args):
     check_args(args)
+    t_start = time.time()  # every metrics row carries the wall time since here
     for name in ("model", "reward_model"):
         path = getattr(args, name)
         if path in ("models/sft", "models/reward") and not os.path.isdir(path):
@@ -479,7 +480,7 @@ def main(args: Args):
     def log(metrics: dict, step: int, samples=None):
         if rank:
             return
-        metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - t_start, 3)}) + "\n")
         metrics_file.flush()
         if args.track:
             table = {"samples": wandb.Table(columns=["prompt", "completion", "score"], data=samples)} if samples else {}
@@ -525,10 +526,12 @@ def main(args: Args):
         # 1. rollout: sample completions from π_θold, score them, and record everything PPO needs
         idx = next(batches)[rank * args.prompts_per_step :][: args.prompts_per_step]  # this process's prompts
         prompt_ids, prompt_mask = (t.to(device) for t in common.pad([prompts[i] for i in idx], tokenizer.pad_token_id, "left"))
+        t0 = time.time()
         policy.eval()
         with autocast:
             completion_ids, mask = generate(policy, prompt_ids, prompt_mask, tokenizer, args)
         policy.train()
+        gen_time = time.time() - t0
         input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
         T = completion_ids.shape[1]
         with torch.no_grad(), autocast:
@@ -588,7 +591,7 @@ def main(args: Args):
             "value/loss": vf, "value/clip_fraction": vf_clipfrac,
             "value/explained_variance": (1 - residual_var / returns_var.clamp(min=1e-8)).item(),
             "train/frac_with_eos": has_eos.float().mean().item(), "train/completion_length": mask.sum(1).float().mean().item(),
-            "train/skipped_steps": skipped, "stop": float(bool(stop)),
+            "train/skipped_steps": skipped, "time/generation_s": gen_time, "stop": float(bool(stop)),
         }, device)
         stopping = metrics.pop("stop")
         log(metrics, step)

@@ -279,6 +279,7 @@ def open_metrics(run_name: str, resumed_step: int | None):
 
 def main(args: Args):
     check_args(args)
+    t_start = time.time()  # every metrics row carries the wall time since here
     checkpoint, state = load_checkpoint(args)
     run_name = state["run_name"] if state else args.run_name or f"reward__{args.seed}__{int(time.time())}"
     random.seed(args.seed)
@@ -331,7 +332,7 @@ def main(args: Args):
     def log(metrics: dict, step: int):
         if rank:
             return
-        metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - t_start, 3)}) + "\n")
         metrics_file.flush()
         if args.track:
             wandb.log(metrics, step=step)

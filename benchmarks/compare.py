@@ -1,0 +1,207 @@
+"""The lecture's closing comparison of PPO, DPO and GRPO, measured on the built-in task.
+
+For each seed it runs the whole pipeline as a user would (each script a subprocess with its defaults):
+sft, reward_model, then ppo, dpo and grpo from the same SFT model. It writes a markdown table (models
+held in memory, trainable parameters, peak memory, wall time, share of time generating, held-out accuracy
+before → after, KL to the reference at the end) into benchmarks/RESULTS.md and plots held-out accuracy
+against wall time to benchmarks/compare.png.
+
+    pip install -r benchmarks/requirements.txt
+    python benchmarks/compare.py --seeds 1 2 3
+"""
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+import tyro
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+METHODS = {  # what each method holds in memory while it trains (from the scripts)
+    "ppo": "4: policy, reference, reward model, critic",
+    "dpo": "2: policy, reference (its log-probs cached)",
+    "grpo": "2: policy, reference (rule-based reward)",
+}
+
+
+@dataclass
+class Args:
+    seeds: list[int] = field(default_factory=lambda: [1])
+    """one full pipeline per seed; the table reports mean ± spread (half the range) over seeds"""
+    workdir: str = "runs/compare"
+    """where each seed's models and runs are written"""
+    results: str = str(ROOT / "benchmarks" / "RESULTS.md")
+    """markdown file whose comparison section is (re)written"""
+    plot: str = str(ROOT / "benchmarks" / "compare.png")
+    """held-out accuracy against wall time"""
+    eval_every: int = 10
+    """held-out evaluation interval passed to the alignment stages (points on the plot)"""
+    quick: bool = False
+    """a few steps of each stage (for tests): the numbers mean nothing"""
+
+
+def run(script: str, flags: list[str], cwd: Path) -> dict:
+    """Runs one stage; returns its wall time and the peak resident memory of that process alone."""
+    start = time.time()
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), *flags], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (ru_maxrss in KiB on Linux)
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"{script} {' '.join(flags)} failed:\n{out[-3000:]}")
+    print(out.strip().splitlines()[-1])
+    return {"wall_s": time.time() - start, "peak_rss_gb": usage.ru_maxrss / 2**20}
+
+
+@torch.no_grad()
+def kl_to_reference(policy_dir: Path, ref_dir: Path, n: int = 500) -> float:
+    """KL(π ‖ π_ref) per completion: Σ_t log π(y_t) − log π_ref(y_t) over completions sampled from π at
+    temperature 1, averaged over the held-out prompts (a Monte Carlo estimate, the same for every method)."""
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    policy, ref = (AutoModelForCausalLM.from_pretrained(d).eval() for d in (policy_dir, ref_dir))
+    prompts = common.tokenize(tokenizer, [r["prompt"] for r in common.arithmetic_rows("test", "prompt")[:n]])
+    ids, mask = common.pad(prompts, tokenizer.pad_token_id, "left")
+    torch.manual_seed(0)
+    out = policy.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8,
+                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    completion = out[:, ids.shape[1] :]
+    is_eos = (completion == tokenizer.eos_token_id).long()
+    cmask = (is_eos.cumsum(1) - is_eos) == 0  # up to and including the first EOS
+    full_mask = torch.cat([mask, cmask.long()], 1)
+    position_ids = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    logps = [
+        m(input_ids=out, attention_mask=full_mask, position_ids=position_ids).logits[:, ids.shape[1] - 1 : -1].log_softmax(-1)
+        .gather(-1, completion.unsqueeze(-1)).squeeze(-1) for m in (policy, ref)
+    ]
+    return ((logps[0] - logps[1]) * cmask).sum(1).mean().item()
+
+
+def trainable_parameters(method: str, cwd: Path) -> int:
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(cwd / "models" / method).parameters())
+    if method == "ppo":  # the critic trains too
+        n += sum(p.numel() for p in AutoModelForSequenceClassification.from_pretrained(cwd / "models" / "reward").parameters())
+    return n
+
+
+def pipeline(seed: int, args: Args) -> dict:
+    cwd = Path(args.workdir).resolve() / f"seed{seed}"
+    cwd.mkdir(parents=True, exist_ok=True)
+    quick = {  # a few steps of each stage
+        "sft": ["--steps", "30", "--eval-every", "30", "--eval-size", "32"],
+        "reward_model": ["--steps", "5", "--eval-size", "32"],
+        "ppo": ["--steps", "3", "--prompts-per-step", "16", "--eval-size", "32"],
+        "dpo": ["--steps", "3", "--eval-size", "32"],
+        "grpo": ["--steps", "3", "--prompts-per-step", "8", "--eval-size", "32"],
+    } if args.quick else {}
+    results = {}
+    for stage in ["sft", "reward_model", "ppo", "dpo", "grpo"]:
+        flags = ["--seed", str(seed), "--run-name", stage, *quick.get(stage, [])]
+        if stage in METHODS:
+            flags += ["--eval-every", str(args.eval_every)]
+        print(f"seed {seed}: {stage}", flush=True)
+        results[stage] = run(f"{stage}.py", flags, cwd)
+        rows = [json.loads(line) for line in (cwd / "runs" / stage / "metrics.jsonl").read_text().splitlines()]
+        results[stage]["rows"] = rows
+    for method in METHODS:
+        r, rows = results[method], results[method]["rows"]
+        evals = [row for row in rows if "eval/accuracy" in row]
+        r["curve"] = [(row["time/elapsed_s"], row["eval/accuracy"]) for row in evals]
+        r["before"], r["after"] = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+        r["generation_share"] = sum(row.get("time/generation_s", 0.0) for row in rows) / r["wall_s"]
+        r["kl"] = kl_to_reference(cwd / "models" / method, cwd / "models" / "sft")
+        r["trainable"] = trainable_parameters(method, cwd)
+        del r["rows"]
+    results["reward_model"]["accuracy"] = [row for row in results["reward_model"]["rows"] if "eval/accuracy" in row][-1]["eval/accuracy"]
+    del results["sft"]["rows"], results["reward_model"]["rows"]
+    return results
+
+
+def mean_spread(values, fmt="{:.1f}", scale=1.0) -> str:
+    values = np.array(values) * scale
+    text = fmt.format(values.mean())
+    return text + (" ± " + fmt.format((values.max() - values.min()) / 2) if len(values) > 1 else "")
+
+
+def table(runs: list[dict], args: Args) -> str:
+    columns = list(METHODS)
+    lines = [
+        "| | " + " | ".join(m.upper() for m in columns) + " |",
+        "|---|" + "---|" * len(columns),
+        "| models in memory | " + " | ".join(METHODS[m] for m in columns) + " |",
+        "| trainable parameters | " + " | ".join(f"{runs[0][m]['trainable'] / 1e6:.2f}M" for m in columns) + " |",
+        "| peak memory (process RSS, GB) | " + " | ".join(mean_spread([r[m]["peak_rss_gb"] for r in runs], "{:.2f}") for m in columns) + " |",
+        "| wall time (s) | " + " | ".join(mean_spread([r[m]["wall_s"] for r in runs], "{:.0f}") for m in columns) + " |",
+        "| share of time generating | " + " | ".join(mean_spread([r[m]["generation_share"] for r in runs], "{:.0f}%", 100) for m in columns) + " |",
+        "| held-out accuracy before → after (%) | " + " | ".join(
+            mean_spread([r[m]["before"] for r in runs], scale=100) + " → " + mean_spread([r[m]["after"] for r in runs], scale=100) for m in columns) + " |",
+        "| KL(π ‖ π_ref) per completion at the end (nats) | " + " | ".join(mean_spread([r[m]["kl"] for r in runs], "{:.3f}") for m in columns) + " |",
+    ]
+    extra = (f"PPO's wall time excludes training its reward model ({mean_spread([r['reward_model']['wall_s'] for r in runs], '{:.0f}')} s, "
+             f"held-out pairwise accuracy {mean_spread([r['reward_model']['accuracy'] for r in runs], scale=100)}%); all three start "
+             f"from the same SFT model ({mean_spread([r['sft']['wall_s'] for r in runs], '{:.0f}')} s).")
+    return "\n".join(lines) + "\n\n" + extra
+
+
+def plot(runs: list[dict], path: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for method, color in zip(METHODS, ["tab:red", "tab:blue", "tab:green"]):
+        for k, r in enumerate(runs):
+            t, acc = zip(*r[method]["curve"])
+            ax.plot(t, np.array(acc) * 100, color=color, marker="o", markersize=3, alpha=1.0 if k == 0 else 0.35,
+                    label=method.upper() if k == 0 else None)
+    ax.set_xlabel("wall time of the stage (s, 2 CPU cores)" if not torch.cuda.is_available() else "wall time of the stage (s)")
+    ax.set_ylabel("held-out greedy accuracy (%)")
+    ax.set_title("3-digit addition: alignment from the same SFT model" + (f" ({len(runs)} seeds)" if len(runs) > 1 else ""))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write_section(path: str, text: str):
+    """Replaces the comparison section of RESULTS.md (between its markers), keeping every other section."""
+    start, end = "<!-- compare:start -->", "<!-- compare:end -->"
+    old = Path(path).read_text() if Path(path).exists() else "# Benchmark results\n"
+    block = f"{start}\n{text}\n{end}"
+    new = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, old, flags=re.S) if start in old else old.rstrip() + "\n\n" + block + "\n"
+    Path(path).write_text(new)
+
+
+def main(args: Args):
+    transformers.utils.logging.disable_progress_bar()
+    runs = [pipeline(seed, args) for seed in args.seeds]
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores" + (
+        f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU")
+    command = "python benchmarks/compare.py --seeds " + " ".join(map(str, args.seeds)) + (" --quick" if args.quick else "")
+    text = (
+        f"## PPO vs DPO vs GRPO on the built-in task\n\n"
+        f"Measured {time.strftime('%Y-%m-%d')} on {machine} (torch {torch.__version__}); `{command}`: every stage with its "
+        f"{'defaults' if not args.quick else 'QUICK test budgets (meaningless numbers)'}, seeds {', '.join(map(str, args.seeds))}, held-out evaluation every {args.eval_every} steps. Mean ± half the "
+        f"range over seeds. Peak memory is each training process's own maximum resident set.\n\n"
+        + table(runs, args) + f"\n\n![held-out accuracy against wall time]({Path(args.plot).name})\n"
+    )
+    write_section(args.results, text)
+    plot(runs, args.plot)
+    print(text)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
