@@ -16,6 +16,7 @@ Schulman et al. 2017 (arXiv:1707.06347), GAE: Schulman et al. 2016 (arXiv:1506.0
 """
 
 import copy
+import contextlib
 import json
 import math
 import os
@@ -60,6 +61,8 @@ class Args:
     """passes over each rollout"""
     num_mini_batches: int = 2
     """minibatches per pass (one optimiser step each)"""
+    grad_accum_steps: int = 1
+    """micro-batches per minibatch: gradients are summed over them before its optimiser step (less memory)"""
     lr: float = 1e-5
     """learning rate of policy and critic (AdamW)"""
     warmup_steps: int = 10
@@ -330,6 +333,8 @@ def check_args(args: Args):
             fail(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
     if args.save_every < 0:
         fail(f"--save-every must be 0 (off) or positive (got {args.save_every})")
+    if args.prompts_per_step < args.num_mini_batches * args.grad_accum_steps:
+        fail(f"--prompts-per-step ({args.prompts_per_step}) must be at least --num-mini-batches × --grad-accum-steps")
     if args.prompts_per_step % args.num_mini_batches:
         fail(f"--prompts-per-step ({args.prompts_per_step}) must be divisible by --num-mini-batches ({args.num_mini_batches})")
     if not 0 <= args.lam <= 1 or not 0 <= args.gamma <= 1:
@@ -555,29 +560,35 @@ def main(args: Args):
         for _ in range(args.num_ppo_epochs):
             order = torch.randperm(len(input_ids), device=device)
             for mb in order[: mb_size * args.num_mini_batches].split(mb_size):
-                with autocast:
-                    logps = forward_logps(trained, input_ids[mb], attention_mask[mb], T, args.temperature)
-                    values = critic_values(critic, input_ids[mb], attention_mask[mb], T)
-                pg_loss, pg_stats = ppo_policy_loss(logps, old_logps[mb], advantages[mb], mask[mb], args.clip_eps)
-                vf_loss = ppo_value_loss(values, old_values[mb], returns[mb], mask[mb], args.clip_eps_value)
-                loss = pg_loss + args.vf_coef * vf_loss
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                loss, mb_stats = 0.0, np.zeros(5)
+                micros = mb.chunk(args.grad_accum_steps)
+                for k, micro in enumerate(micros):
+                    share = mask[micro].sum() / mask[mb].sum()  # both losses are token means over the minibatch
+                    with trained.no_sync() if isinstance(trained, DDP) and k < len(micros) - 1 else contextlib.nullcontext():
+                        with autocast:
+                            logps = forward_logps(trained, input_ids[micro], attention_mask[micro], T, args.temperature)
+                            values = critic_values(critic, input_ids[micro], attention_mask[micro], T)
+                        pg_loss, pg_stats = ppo_policy_loss(logps, old_logps[micro], advantages[micro], mask[micro], args.clip_eps)
+                        vf_loss = ppo_value_loss(values, old_values[micro], returns[micro], mask[micro], args.clip_eps_value)
+                        ((pg_loss + args.vf_coef * vf_loss) * share).backward()
+                    loss += (pg_loss + args.vf_coef * vf_loss).item() * share.item()
+                    vf_clipped = ((values - old_values[micro]).abs() > args.clip_eps_value).float()
+                    mb_stats += share.item() * np.array([pg_loss.item(), vf_loss.item(), pg_stats["clip_fraction"].item(),
+                                                         pg_stats["approx_kl"].item(), masked_mean(vf_clipped, mask[micro]).item()])
                 average_gradients(critic, args)
                 grad_norm = sum(  # FSDP2 returns DTensors
                     n.full_tensor() if hasattr(n, "full_tensor") else n
                     for n in (torch.nn.utils.clip_grad_norm_(m.parameters(), args.max_grad_norm) for m in (policy, critic))
                 )
-                if math.isfinite(mean_over_processes({"loss": loss.item()}, device)["loss"]) and torch.isfinite(grad_norm):
+                if math.isfinite(mean_over_processes({"loss": loss}, device)["loss"]) and torch.isfinite(grad_norm):
                     optimizer.step()
                 elif args.skip_nonfinite:
                     skipped += 1
                 else:
-                    sys.exit(f"error: non-finite loss ({loss.item()}) or gradient norm ({grad_norm.item()}) at step {step}; "
+                    sys.exit(f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
                              f"last good checkpoint: {last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
-                vf_clipped = ((values - old_values[mb]).abs() > args.clip_eps_value).float()
-                stats.append([pg_loss.item(), vf_loss.item(), pg_stats["clip_fraction"].item(), pg_stats["approx_kl"].item(),
-                              masked_mean(vf_clipped, mask[mb]).item()])
+                stats.append(mb_stats)
         schedule.step()
 
         kl = ((old_logps - ref_logps) * mask).sum(1)  # per-sequence KL estimate to the reference

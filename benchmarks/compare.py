@@ -13,7 +13,6 @@ against wall time to benchmarks/compare.png.
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from benchmarks.results import RESULTS, write_section  # noqa: E402
 
 METHODS = {  # what each method holds in memory while it trains (from the scripts)
     "ppo": "4: policy, reference, reward model, critic",
@@ -40,10 +40,13 @@ METHODS = {  # what each method holds in memory while it trains (from the script
 @dataclass
 class Args:
     seeds: list[int] = field(default_factory=lambda: [1])
-    """one full pipeline per seed; the table reports mean ± spread (half the range) over seeds"""
+    """seeds of the alignment stages; the table reports mean ± spread (half the range) over them"""
+    sft_seed: int = 1
+    """seed of the one SFT model and reward model all methods start from (the tiny model's SFT is itself
+    seed-sensitive: with 600 steps some seeds have not learnt addition yet, and that would swamp the comparison)"""
     workdir: str = "runs/compare"
     """where each seed's models and runs are written"""
-    results: str = str(ROOT / "benchmarks" / "RESULTS.md")
+    results: str = str(RESULTS)
     """markdown file whose comparison section is (re)written"""
     plot: str = str(ROOT / "benchmarks" / "compare.png")
     """held-out accuracy against wall time"""
@@ -96,25 +99,36 @@ def trainable_parameters(method: str, cwd: Path) -> int:
     return n
 
 
-def pipeline(seed: int, args: Args) -> dict:
+QUICK = {  # a few steps of each stage (--quick, for tests)
+    "sft": ["--steps", "30", "--eval-every", "30", "--eval-size", "32"],
+    "reward_model": ["--steps", "5", "--eval-size", "32"],
+    "ppo": ["--steps", "3", "--prompts-per-step", "16", "--eval-size", "32"],
+    "dpo": ["--steps", "3", "--eval-size", "32"],
+    "grpo": ["--steps", "3", "--prompts-per-step", "8", "--eval-size", "32"],
+}
+
+
+def stage(name: str, seed: int, cwd: Path, args: Args) -> dict:
+    flags = ["--seed", str(seed), "--run-name", name, *(QUICK[name] if args.quick else [])]
+    if name in METHODS:
+        flags += ["--eval-every", str(args.eval_every)]
+    print(f"seed {seed}: {name}", flush=True)
+    result = run(f"{name}.py", flags, cwd)
+    result["rows"] = [json.loads(line) for line in (cwd / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    return result
+
+
+def pipeline(seed: int, base: dict, args: Args) -> dict:
+    """PPO, DPO and GRPO with this seed, from the shared SFT model and reward model in `base`."""
     cwd = Path(args.workdir).resolve() / f"seed{seed}"
-    cwd.mkdir(parents=True, exist_ok=True)
-    quick = {  # a few steps of each stage
-        "sft": ["--steps", "30", "--eval-every", "30", "--eval-size", "32"],
-        "reward_model": ["--steps", "5", "--eval-size", "32"],
-        "ppo": ["--steps", "3", "--prompts-per-step", "16", "--eval-size", "32"],
-        "dpo": ["--steps", "3", "--eval-size", "32"],
-        "grpo": ["--steps", "3", "--prompts-per-step", "8", "--eval-size", "32"],
-    } if args.quick else {}
-    results = {}
-    for stage in ["sft", "reward_model", "ppo", "dpo", "grpo"]:
-        flags = ["--seed", str(seed), "--run-name", stage, *quick.get(stage, [])]
-        if stage in METHODS:
-            flags += ["--eval-every", str(args.eval_every)]
-        print(f"seed {seed}: {stage}", flush=True)
-        results[stage] = run(f"{stage}.py", flags, cwd)
-        rows = [json.loads(line) for line in (cwd / "runs" / stage / "metrics.jsonl").read_text().splitlines()]
-        results[stage]["rows"] = rows
+    (cwd / "models").mkdir(parents=True, exist_ok=True)
+    for name in ("sft", "reward"):
+        link = cwd / "models" / name
+        if not link.exists():
+            link.symlink_to(base["dir"] / "models" / name)
+    results = {"sft": base["sft"], "reward_model": base["reward_model"]}
+    for name in METHODS:
+        results[name] = stage(name, seed, cwd, args)
     for method in METHODS:
         r, rows = results[method], results[method]["rows"]
         evals = [row for row in rows if "eval/accuracy" in row]
@@ -124,9 +138,16 @@ def pipeline(seed: int, args: Args) -> dict:
         r["kl"] = kl_to_reference(cwd / "models" / method, cwd / "models" / "sft")
         r["trainable"] = trainable_parameters(method, cwd)
         del r["rows"]
-    results["reward_model"]["accuracy"] = [row for row in results["reward_model"]["rows"] if "eval/accuracy" in row][-1]["eval/accuracy"]
-    del results["sft"]["rows"], results["reward_model"]["rows"]
     return results
+
+
+def base_models(args: Args) -> dict:
+    """The SFT model and the reward model every method starts from (trained once, with --sft-seed)."""
+    cwd = Path(args.workdir).resolve() / "base"
+    cwd.mkdir(parents=True, exist_ok=True)
+    base = {"dir": cwd, "sft": stage("sft", args.sft_seed, cwd, args), "reward_model": stage("reward_model", args.sft_seed, cwd, args)}
+    base["reward_model"]["accuracy"] = [row for row in base["reward_model"]["rows"] if "eval/accuracy" in row][-1]["eval/accuracy"]
+    return base
 
 
 def mean_spread(values, fmt="{:.1f}", scale=1.0) -> str:
@@ -176,29 +197,22 @@ def plot(runs: list[dict], path: str):
     fig.savefig(path)
 
 
-def write_section(path: str, text: str):
-    """Replaces the comparison section of RESULTS.md (between its markers), keeping every other section."""
-    start, end = "<!-- compare:start -->", "<!-- compare:end -->"
-    old = Path(path).read_text() if Path(path).exists() else "# Benchmark results\n"
-    block = f"{start}\n{text}\n{end}"
-    new = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, old, flags=re.S) if start in old else old.rstrip() + "\n\n" + block + "\n"
-    Path(path).write_text(new)
-
-
 def main(args: Args):
     transformers.utils.logging.disable_progress_bar()
-    runs = [pipeline(seed, args) for seed in args.seeds]
+    base = base_models(args)
+    runs = [pipeline(seed, base, args) for seed in args.seeds]
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores" + (
         f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU")
-    command = "python benchmarks/compare.py --seeds " + " ".join(map(str, args.seeds)) + (" --quick" if args.quick else "")
+    command = f"python benchmarks/compare.py --seeds {' '.join(map(str, args.seeds))} --sft-seed {args.sft_seed}" + (" --quick" if args.quick else "")
     text = (
         f"## PPO vs DPO vs GRPO on the built-in task\n\n"
         f"Measured {time.strftime('%Y-%m-%d')} on {machine} (torch {torch.__version__}); `{command}`: every stage with its "
-        f"{'defaults' if not args.quick else 'QUICK test budgets (meaningless numbers)'}, seeds {', '.join(map(str, args.seeds))}, held-out evaluation every {args.eval_every} steps. Mean ± half the "
-        f"range over seeds. Peak memory is each training process's own maximum resident set.\n\n"
+        f"{'defaults' if not args.quick else 'QUICK test budgets (meaningless numbers)'}; one SFT model and reward model (seed "
+        f"{args.sft_seed}), then PPO, DPO and GRPO with seeds {', '.join(map(str, args.seeds))}; held-out evaluation every "
+        f"{args.eval_every} steps. Mean ± half the range over seeds. Peak memory is each training process's own maximum resident set.\n\n"
         + table(runs, args) + f"\n\n![held-out accuracy against wall time]({Path(args.plot).name})\n"
     )
-    write_section(args.results, text)
+    write_section("compare", text, Path(args.results))
     plot(runs, args.plot)
     print(text)
 

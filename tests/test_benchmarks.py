@@ -1,0 +1,70 @@
+"""The benchmarks' own logic, fast: the KL estimate, the table, RESULTS.md sections, the plot, and the GPU
+profile's code path on a tiny CPU config. (The full runs are the benchmarks themselves.)"""
+
+import pytest
+
+from benchmarks import compare
+from benchmarks.results import write_section
+from conftest import run_script
+
+
+def test_kl_of_a_policy_to_itself_is_zero_and_to_another_positive(sft_run, tmp_path):
+    _, sft_dir, _ = sft_run
+    assert compare.kl_to_reference(sft_dir, sft_dir, n=64) == 0.0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch
+
+    other = AutoModelForCausalLM.from_pretrained(sft_dir)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    other.save_pretrained(tmp_path / "other")
+    AutoTokenizer.from_pretrained(sft_dir).save_pretrained(tmp_path / "other")
+    assert compare.kl_to_reference(tmp_path / "other", sft_dir, n=64) > 0.01
+
+
+def fake_runs():
+    def method(before, after, wall):
+        return {"wall_s": wall, "peak_rss_gb": 0.5, "generation_share": 0.25, "before": before, "after": after, "kl": 0.1,
+                "trainable": 540_000, "curve": [(1.0, before), (wall, after)]}
+    return [
+        {"ppo": method(0.68, 0.66, 60), "dpo": method(0.68, 0.70, 30), "grpo": method(0.68, 0.80, 80),
+         "reward_model": {"wall_s": 90, "accuracy": 0.80}, "sft": {"wall_s": 35}},
+        {"ppo": method(0.60, 0.62, 64), "dpo": method(0.60, 0.64, 32), "grpo": method(0.60, 0.84, 84),
+         "reward_model": {"wall_s": 92, "accuracy": 0.82}, "sft": {"wall_s": 37}},
+    ]
+
+
+def test_table_reports_mean_and_spread_over_seeds():
+    text = compare.table(fake_runs(), compare.Args())
+    assert "| held-out accuracy before → after (%) | 64.0 ± 4.0 → 64.0 ± 2.0 | 64.0 ± 4.0 → 67.0 ± 3.0 | 64.0 ± 4.0 → 82.0 ± 2.0 |" in text
+    assert "| wall time (s) | 62 ± 2 | 31 ± 1 | 82 ± 2 |" in text and "| share of time generating | 25% ± 0% |" in text
+
+
+def test_results_sections_are_replaced_not_duplicated(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    write_section("compare", "first", path)
+    write_section("gpu", "gpu numbers", path)
+    write_section("compare", "second", path)
+    text = path.read_text()
+    assert "second" in text and "first" not in text and "gpu numbers" in text and text.count("<!-- compare:start -->") == 1
+
+
+def test_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib", reason="benchmark dependency: pip install -r benchmarks/requirements.txt")
+    compare.plot(fake_runs(), str(tmp_path / "c.png"))
+    assert (tmp_path / "c.png").stat().st_size > 10_000
+
+
+def test_gpu_profile_runs_on_a_tiny_cpu_config(tmp_path):
+    proc = run_script("benchmarks/gpu.py", "--device", "cpu", "--tiny", "--repeats", "1", "--no-write", cwd=tmp_path)
+    for phase in ["generation", "reference log-probs", "policy forward + backward", "optimiser"]:
+        assert f"| {phase} |" in proc.stdout
+    assert "**GRPO step**" in proc.stdout and "**DPO step**" in proc.stdout
+
+
+def test_vs_trl_first_step_losses_agree(tmp_path):
+    pytest.importorskip("trl", reason="benchmark dependency: pip install -r benchmarks/requirements.txt")
+    proc = run_script("benchmarks/vs_trl.py", "--pairs", "4", "--no-write", cwd=tmp_path)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| DPO") or line.startswith("| reward model")]
+    assert len(rows) == 2 and all(row.rstrip().endswith("| yes |") for row in rows), proc.stdout
