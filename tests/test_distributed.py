@@ -1,6 +1,6 @@
 """torchrun on the CPU (gloo): every script completes with 2 processes and saves a loadable model; for sft
-and dpo, 2 processes × batch b, 1 process × batch 2b and --grad-accum-steps 2 × batch b take the same
-steps (DDP and FSDP2)."""
+and dpo, 2 processes × batch b, 1 process × batch 2b and --grad-accum-steps 2 × batch b (with gradient
+checkpointing) take the same steps (DDP, and FSDP2 for sft)."""
 
 import subprocess
 import sys
@@ -55,7 +55,9 @@ def test_two_processes_and_accumulation_equal_one_big_batch(script, sft_dir, tmp
     for name in ("big", "acc", "ddp", "fsdp"):
         (tmp_path / name).mkdir()
     run_script(script, *flags, "--batch-size", "16", "--output-dir", "big", "--run-name", "big", cwd=tmp_path / "big")
-    run_script(script, *flags, "--batch-size", "8", "--grad-accum-steps", "2", "--output-dir", "acc", "--run-name", "acc", cwd=tmp_path / "acc")
+    # accumulation, with activations recomputed in the backward pass (gradient checkpointing changes no number)
+    run_script(script, *flags, "--batch-size", "8", "--grad-accum-steps", "2", "--gradient-checkpointing", "--output-dir", "acc",
+               "--run-name", "acc", cwd=tmp_path / "acc")
     torchrun(script, *flags, "--batch-size", "8", "--output-dir", "ddp", "--run-name", "ddp", cwd=tmp_path / "ddp")
     big = weights(tmp_path / "big/big")
     if script == "dpo.py":  # the steps moved the weights well beyond the tolerance below
