@@ -302,6 +302,9 @@ def mean_over_processes(values: dict, device) -> dict:
     return dict(zip(values, (t / dist.get_world_size()).tolist()))
 
 
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU, for rank 0 to write
+
+
 def save_model(model, tokenizer, path: str, args: Args):
     """A normal transformers directory, written by rank 0 (under FSDP2 every process helps gather the weights)."""
     weights = None
@@ -314,8 +317,6 @@ def save_model(model, tokenizer, path: str, args: Args):
         model.save_pretrained(path, state_dict=weights)
         tokenizer.save_pretrained(path)
 
-
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 # ---------------------------------------------------------------- user errors, checkpoints
@@ -350,8 +351,9 @@ def checkpoints(output_dir: str) -> list[str]:
 
 def save_checkpoint(args: Args, step: int, policy, critic, tokenizer, optimizer, state: dict) -> str:
     """output_dir/checkpoint-<step>/: policy + tokenizer (loadable as they are), critic/, and trainer_state.pt
-    (optimiser, scheduler, each process's RNG states, data position, step, args). Written to a temporary
-    directory and renamed into place, so a kill at any moment leaves the previous checkpoint whole."""
+    (optimiser, scheduler, each process's RNG states, step (= the data position: one batch per step),
+    args). Written to a temporary directory and renamed into place, so a kill at any moment leaves
+    the previous checkpoint whole."""
     path = os.path.join(args.output_dir, f"checkpoint-{step}")
     main_process = not dist.is_initialized() or dist.get_rank() == 0
     if main_process:
@@ -613,7 +615,7 @@ def main(args: Args):
         if (args.save_every and step % args.save_every == 0) or stopping:  # a signal to any process stops all
             last_checkpoint = save_checkpoint(args, step, policy, critic, tokenizer, optimizer, {
                 "schedule": schedule.state_dict(), "run_name": run_name, "start": start, "skipped": skipped,
-                "batches_drawn": step, "wandb_id": wandb.run.id if args.track and rank == 0 else None,
+                "wandb_id": wandb.run.id if args.track and rank == 0 else None,
             })
         if stopping:
             print(f"stopped by {(stop or ['a signal to another process'])[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
