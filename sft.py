@@ -378,7 +378,8 @@ def main(args: Args):
     if len(train_rows) < step_rows:
         fail(f"{len(train_rows)} training rows are fewer than one step's {step_rows} (batch size × accumulation steps × processes)")
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # fused: the whole update in one kernel, without foreach's parameter-sized temporaries (transformers' default too)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
     if state:
         if len(state["rng"]) != world:

@@ -1,6 +1,6 @@
-"""This project's DPO and reward model next to TRL's trainers, on identical inputs.
+"""This project's DPO, reward model and GRPO next to TRL's trainers: agreement and speed.
 
-Agreement: the same weights (a random policy and a slightly perturbed copy as the reference; a random
+Agreement (`--part agreement`): the same weights (a random policy and a slightly perturbed copy as the reference; a random
 reward model), the same character tokenizer and the same preference pairs of the built-in task go through
 dpo.py's and reward_model.py's functions and through TRL's DPOTrainer and RewardTrainer (their own
 tokenisation, collation and compute_loss). The first-step losses must agree to 1e-4 relative.
@@ -11,13 +11,27 @@ no BOS) both give the same ids; TRL pads whole sequences on the right, we left-p
 position ids, which gives the same positions.
 
     pip install -r benchmarks/requirements.txt
+Speed (`--part speed`): the same saved model, the same rows of the built-in task and the same
+hyperparameters through dpo.py, reward_model.py and grpo.py (each a subprocess, as a user runs it) and
+through TRL's DPOTrainer, RewardTrainer and GRPOTrainer (each a subprocess of this file, `--worker`),
+alternating ours/TRL, `--repeats` times. Throughput counts only training steps after `--skip` warm-up
+steps (ours: the wall time in metrics.jsonl's step rows; TRL: a callback at each step's end), so imports,
+tokenisation and our held-out evaluations are outside it. Peak memory is each process's peak RSS.
+
+    pip install -r benchmarks/requirements.txt
     python benchmarks/vs_trl.py --size tiny
     python benchmarks/vs_trl.py --size 25m
+    python benchmarks/vs_trl.py --part speed --size tiny
+    python benchmarks/vs_trl.py --part speed --size 25m
 """
 
+import json
+import shutil
+import statistics
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -31,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import dpo  # noqa: E402
 import reward_model  # noqa: E402
+from benchmarks.compare import run  # noqa: E402
 from benchmarks.results import write_section  # noqa: E402
 
 SIZES = {  # the tiny built-in model, and a ~25M-parameter one
@@ -41,14 +56,38 @@ SIZES = {  # the tiny built-in model, and a ~25M-parameter one
 
 @dataclass
 class Args:
+    part: Literal["agreement", "speed"] = "agreement"
+    """agreement: first-step losses on identical inputs; speed: throughput and peak memory, ours / TRL"""
     size: Literal["tiny", "25m"] = "tiny"
     """model size (both are Qwen2-architecture, from a config, with the character tokenizer)"""
     pairs: int = 16
-    """preference pairs in the batch"""
+    """agreement: preference pairs in the batch"""
     beta: float = 0.1
     """DPO β"""
+    methods: list[str] = field(default_factory=lambda: ["dpo", "reward", "grpo"])
+    """speed: the methods to time"""
+    repeats: int = 3
+    """speed: runs of each implementation (alternating), for min/median/max"""
+    steps: int = 30
+    """speed: optimiser steps per run"""
+    skip: int = 5
+    """speed: first steps left out of the timing (allocator and autograd warm-up)"""
+    batch_size: int = 32
+    """speed: preference pairs per DPO / reward-model step"""
+    prompts_per_step: int = 16
+    """speed: GRPO prompts per step (× group_size completions)"""
+    group_size: int = 8
+    """speed: GRPO completions per prompt"""
+    gradient_checkpointing: bool = True
+    """speed: recompute activations in the backward pass, in both (TRL's default; ours is off by default)"""
     write: bool = True
     """write the result into benchmarks/RESULTS.md"""
+    worker: Literal["dpo", "reward", "grpo"] | None = None
+    """internal: run TRL's trainer for this method in this process (model in --model-dir, times to --out)"""
+    model_dir: str = ""
+    """internal: the worker's model"""
+    out: str = ""
+    """internal: where the worker writes its step times"""
 
 
 def models(size: str, tokenizer):
@@ -94,6 +133,156 @@ def trl_losses(policy, ref, rm, tokenizer, rows, beta) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- speed
+LR = {"dpo": 1e-4, "reward": 1e-4, "grpo": 2e-4}
+OUR_SCRIPT = {"dpo": "dpo.py", "reward": "reward_model.py", "grpo": "grpo.py"}
+
+
+def write_data(args: Args, workdir: Path) -> dict[str, Path]:
+    """One local file per kind with enough rows for every step; ours and TRL both train on its first 90%
+    (common.load_raw holds the last 10% out, ours evaluates on it)."""
+    need = args.steps * max(args.batch_size, args.prompts_per_step)
+    files = {}
+    for kind in ["preference", "prompt"]:
+        rows = common.arithmetic_rows("train", kind)[: need * 10 // 9 + 10]
+        files[kind] = workdir / f"{kind}.jsonl"
+        files[kind].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return files
+
+
+def ours_flags(method: str, args: Args, model: Path, data: dict, out: Path) -> list[str]:
+    flags = ["--model", str(model), "--steps", str(args.steps), "--lr", str(LR[method]), "--warmup-steps", "1",
+             "--eval-every", str(10**6), "--eval-size", "16", "--output-dir", str(out / "model"), "--run-name", "run"]
+    flags += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
+    if method == "grpo":
+        n = args.prompts_per_step * args.group_size
+        return flags + ["--dataset", str(data["prompt"]), "--prompts-per-step", str(args.prompts_per_step),
+                        "--group-size", str(args.group_size), "--micro-batch-size", str(n), "--beta", "0.04",
+                        "--loss-type", "grpo", "--temperature", "0.7", "--max-new-tokens", "8"]
+    return flags + ["--dataset", str(data["preference"]), "--batch-size", str(args.batch_size)] + (["--beta", str(args.beta)] if method == "dpo" else [])
+
+
+def trl_worker(args: Args):
+    """One TRL training run with the hyperparameters of ours_flags; writes its step-end times and logs."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer
+
+    transformers.utils.logging.set_verbosity_error()
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    kind = "prompt" if args.worker == "grpo" else "preference"
+    data = Dataset.from_list(common.load_raw(str(Path(args.out).parent.parent / f"{kind}.jsonl"), "train"))
+    times = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            times.append(time.time())
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = dict(output_dir=tmp, max_steps=args.steps, learning_rate=LR[args.worker], lr_scheduler_type="constant", warmup_steps=0,
+                      max_grad_norm=1.0, use_cpu=True, bf16=False, report_to=[], logging_steps=1, save_strategy="no",
+                      dataloader_num_workers=0, seed=1, gradient_checkpointing=args.gradient_checkpointing)
+        if args.worker == "grpo":
+            def correct(completions, answer, **_):
+                return [float(common.is_correct(c, a)) for c, a in zip(completions, answer)]
+
+            config = GRPOConfig(per_device_train_batch_size=args.prompts_per_step * args.group_size, num_generations=args.group_size,
+                                steps_per_generation=1, max_completion_length=8, temperature=0.7, top_p=1.0, top_k=0, beta=0.04,
+                                epsilon=0.2, loss_type="grpo", scale_rewards="group", **config)
+            trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(args.model_dir), reward_funcs=[correct], args=config,
+                                  train_dataset=data, processing_class=tokenizer, callbacks=[StepTimes()])
+        elif args.worker == "dpo":
+            config = DPOConfig(per_device_train_batch_size=args.batch_size, beta=args.beta, max_length=None, **config)
+            trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(args.model_dir), args=config, train_dataset=data,
+                                 processing_class=tokenizer, callbacks=[StepTimes()])
+        else:
+            config = RewardConfig(per_device_train_batch_size=args.batch_size, max_length=None, **config)
+            model = AutoModelForSequenceClassification.from_pretrained(args.model_dir, num_labels=1)
+            trainer = RewardTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[StepTimes()])
+        trainer.train()
+        trainer.save_model(tmp)  # ours saves its model too
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    Path(args.out).write_text(json.dumps({"times": times, "completion_lengths": lengths}))
+
+
+def measure(method: str, impl: str, args: Args, workdir: Path, model: Path, data: dict) -> dict:
+    """samples/s and tokens/s over steps skip+1..steps, and peak RSS, of one run of `impl` (ours | trl)."""
+    out = workdir / f"{method}-{impl}"
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run each time (metrics.jsonl would be appended to)
+    out.mkdir()
+    if impl == "ours":
+        proc = run(OUR_SCRIPT[method], ours_flags(method, args, model, data, out), cwd=out)
+        rows = [json.loads(line) for line in (out / "runs" / "run" / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "train/loss" in r]
+        times = [r["time/elapsed_s"] for r in rows]
+        lengths = [r.get("train/completion_length", 0.0) for r in rows]
+    else:
+        result = out / "trl.json"
+        proc = run("benchmarks/vs_trl.py", ["--worker", method, "--model-dir", str(model), "--out", str(result),
+                   "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--beta", str(args.beta),
+                   "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
+                   "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing"], cwd=out)
+        result = json.loads(result.read_text())
+        times, lengths = result["times"], result["completion_lengths"]
+    assert len(times) == args.steps, (impl, method, len(times))
+    seconds = times[-1] - times[args.skip - 1]
+    steps = args.steps - args.skip
+    if method == "grpo":
+        samples = args.prompts_per_step * args.group_size
+        prompt_tokens = statistics.mean(len(json.loads(line)["prompt"]) for line in data["prompt"].read_text().splitlines())
+        tokens = samples * (prompt_tokens + statistics.mean(lengths[args.skip:]))
+    else:  # a pair is two sequences: prompt + chosen + EOS and prompt + rejected + EOS (one character is one token)
+        samples = args.batch_size
+        rows = [json.loads(line) for line in data["preference"].read_text().splitlines()]
+        tokens = samples * statistics.mean(2 * len(r["prompt"]) + len(r["chosen"]) + len(r["rejected"]) + 2 for r in rows)
+    return {"samples_s": samples * steps / seconds, "tokens_s": tokens * steps / seconds, "rss_gb": proc["peak_rss_gb"]}
+
+
+def speed(args: Args):
+    import trl
+
+    tokenizer = common.build_char_tokenizer()
+    policy, _, _ = models(args.size, tokenizer)
+    n_params = sum(p.numel() for p in policy.parameters())
+    results = {m: {"ours": [], "trl": []} for m in args.methods}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        policy.save_pretrained(workdir / "model")
+        tokenizer.save_pretrained(workdir / "model")
+        data = write_data(args, workdir)
+        for repeat in range(args.repeats):
+            for method in args.methods:
+                for impl in ["ours", "trl"]:
+                    results[method][impl].append(measure(method, impl, args, workdir, workdir / "model", data))
+                    print(method, impl, repeat, results[method][impl][-1], flush=True)
+    names = {"dpo": f"DPO ({args.batch_size} pairs/step)", "reward": f"reward model ({args.batch_size} pairs/step)",
+             "grpo": f"GRPO ({args.prompts_per_step}×{args.group_size} completions/step, 8 new tokens)"}
+    lines = [f"| method | ours samples/s | TRL samples/s | throughput ours/TRL min / median / max | ours tokens/s | TRL tokens/s "
+             f"| peak RSS ours / TRL (GB) | peak memory ours/TRL min / median / max |", "|---|---|---|---|---|---|---|---|"]
+
+    def spread(values):
+        return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
+
+    for method in args.methods:
+        ours, theirs = results[method]["ours"], results[method]["trl"]
+        med = {impl: {k: statistics.median(r[k] for r in results[method][impl]) for k in ours[0]} for impl in ["ours", "trl"]}
+        lines.append(f"| {names[method]} | {med['ours']['samples_s']:.0f} | {med['trl']['samples_s']:.0f} "
+                     f"| {spread([a['samples_s'] / b['samples_s'] for a, b in zip(ours, theirs)])} "
+                     f"| {med['ours']['tokens_s']:.0f} | {med['trl']['tokens_s']:.0f} "
+                     f"| {med['ours']['rss_gb']:.2f} / {med['trl']['rss_gb']:.2f} "
+                     f"| {spread([a['rss_gb'] / b['rss_gb'] for a, b in zip(ours, theirs)])} |")
+    command = f"python benchmarks/vs_trl.py --part speed --size {args.size}" + ("" if args.gradient_checkpointing else " --no-gradient-checkpointing")
+    recompute = "with" if args.gradient_checkpointing else "without"
+    text = (f"### {args.size} model ({n_params / 1e6:.2f}M parameters), {recompute} gradient checkpointing: throughput and peak memory, "
+            f"ours / TRL {trl.__version__}\n\n"
+            + "\n".join(lines) + f"\n\n{args.repeats} runs of each, alternating ours/TRL, {args.steps} steps each, timed over the last "
+            f"{args.steps - args.skip} (ratios pair run i of ours with run i of TRL). Command: `{command}`; "
+            f"{time.strftime('%Y-%m-%d')}, CPU fp32, torch {torch.__version__}, {torch.get_num_threads()} threads.")
+    print(text)
+    if args.write:
+        write_section(f"vs_trl_speed_{args.size}_{'recompute' if args.gradient_checkpointing else 'stored'}", text)
+
+
 def main(args: Args):
     import trl
 
@@ -121,4 +310,10 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli = tyro.cli(Args)
+    if cli.worker:
+        trl_worker(cli)
+    elif cli.part == "speed":
+        speed(cli)
+    else:
+        main(cli)

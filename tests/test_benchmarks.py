@@ -68,3 +68,15 @@ def test_vs_trl_first_step_losses_agree(tmp_path):
     proc = run_script("benchmarks/vs_trl.py", "--pairs", "4", "--no-write", cwd=tmp_path)
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| DPO") or line.startswith("| reward model")]
     assert len(rows) == 2 and all(row.rstrip().endswith("| yes |") for row in rows), proc.stdout
+
+
+def test_vs_trl_speed_runs_both_implementations_of_each_method(tmp_path):
+    pytest.importorskip("trl", reason="benchmark dependency: pip install -r benchmarks/requirements.txt")
+    proc = run_script("benchmarks/vs_trl.py", "--part", "speed", "--steps", "3", "--skip", "1", "--repeats", "1",
+                      "--batch-size", "4", "--prompts-per-step", "2", "--group-size", "2", "--no-write", cwd=tmp_path)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| DPO", "| reward model", "| GRPO"))]
+    assert len(rows) == 3, proc.stdout
+    for row in rows:  # every cell measured: positive throughputs, ratios and memory
+        cells = [c.strip() for c in row.strip("|").split("|")[1:]]
+        numbers = [float(x) for c in cells for x in c.replace("/", " ").split()]
+        assert len(numbers) == 12 and all(x > 0 for x in numbers), row
