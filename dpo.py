@@ -357,7 +357,8 @@ def main(args: Args):
 
     # Reference log-probs: computed once per pair, the first time it is drawn, then reused every epoch.
     ref_cache = state["ref_cache"].to(device) if state else torch.full((len(train_rows), 2), float("nan"), device=device)
-    eval_ref = torch.cat([ref_logps(eval_prompts[i : i + 128], eval_rows[i : i + 128]).view(2, -1).T for i in range(0, len(eval_rows), 128)])
+    n = args.batch_size  # evaluation never takes more memory than a training batch
+    eval_ref = torch.cat([ref_logps(eval_prompts[i : i + n], eval_rows[i : i + n]).view(2, -1).T for i in range(0, len(eval_rows), n)])
 
     # fused: the whole update in one kernel, without foreach's parameter-sized temporaries (transformers' default too)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
@@ -389,12 +390,12 @@ def main(args: Args):
         """Held-out preference accuracy of the implicit reward, and greedy accuracy when answers exist."""
         policy.eval()
         wins, correct, samples = [], [], []
-        for i in range(0, len(eval_rows), 128):
-            rows = eval_rows[i : i + 128]
-            batch = pair_batch(eval_prompts[i : i + 128], rows, tokenizer, args.max_length, device)
+        for i in range(0, len(eval_rows), n):
+            rows = eval_rows[i : i + n]
+            batch = pair_batch(eval_prompts[i : i + n], rows, tokenizer, args.max_length, device)
             with autocast:
                 chosen, rejected = sequence_logps(policy, batch).float().chunk(2)
-            wins += ((chosen - eval_ref[i : i + 128, 0]) > (rejected - eval_ref[i : i + 128, 1])).tolist()
+            wins += ((chosen - eval_ref[i : i + n, 0]) > (rejected - eval_ref[i : i + n, 1])).tolist()
             if has_answers:
                 P, B = batch["prompt_ids"].shape[1], len(rows)
                 with autocast:

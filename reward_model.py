@@ -345,8 +345,8 @@ def main(args: Args):
         """Held-out pairwise accuracy: the share of pairs with r_w > r_l."""
         model.eval()
         wins, margins = [], []
-        for i in range(0, len(eval_rows), 128):
-            batch = pair_batch(eval_prompts[i : i + 128], eval_rows[i : i + 128], tokenizer, args.max_length, device)
+        for i in range(0, len(eval_rows), args.batch_size):  # never more memory than a training batch
+            batch = pair_batch(eval_prompts[i : i + args.batch_size], eval_rows[i : i + args.batch_size], tokenizer, args.max_length, device)
             with autocast:
                 chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
             wins += (chosen > rejected).tolist()
@@ -423,8 +423,9 @@ def main(args: Args):
         sample = list(range(0, len(train_rows), max(1, len(train_rows) // 1024)))[:1024]
         offset = torch.cat([
             reward_scores(model, b["input_ids"], b["attention_mask"]) for b in (
-                pair_batch([prompts[i] for i in sample[k : k + 128]], [train_rows[i] for i in sample[k : k + 128]], tokenizer, args.max_length, device)
-                for k in range(0, len(sample), 128))
+                pair_batch([prompts[i] for i in sample[k : k + args.batch_size]], [train_rows[i] for i in sample[k : k + args.batch_size]],
+                           tokenizer, args.max_length, device)
+                for k in range(0, len(sample), args.batch_size))
         ]).mean().item()
     if getattr(model.score, "bias", None) is not None:
         model.score.bias.data -= offset

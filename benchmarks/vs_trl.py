@@ -271,7 +271,7 @@ def speed(args: Args):
                      f"| {med['ours']['tokens_s']:.0f} | {med['trl']['tokens_s']:.0f} "
                      f"| {med['ours']['rss_gb']:.2f} / {med['trl']['rss_gb']:.2f} "
                      f"| {spread([a['rss_gb'] / b['rss_gb'] for a, b in zip(ours, theirs)])} |")
-    command = f"python benchmarks/vs_trl.py --part speed --size {args.size}" + ("" if args.gradient_checkpointing else " --no-gradient-checkpointing")
+    command = "python benchmarks/vs_trl.py " + " ".join(sys.argv[1:])
     recompute = "with" if args.gradient_checkpointing else "without"
     text = (f"### {args.size} model ({n_params / 1e6:.2f}M parameters), {recompute} gradient checkpointing: throughput and peak memory, "
             f"ours / TRL {trl.__version__}\n\n"
