@@ -53,7 +53,7 @@ class Args:
     """score completions with this sequence-classification model instead of checking answers"""
     output_dir: str = "models/grpo"
     """where the trained policy and tokenizer are saved"""
-    steps: int = 150
+    steps: int = 300
     """optimisation rounds; each samples prompts_per_step × group_size completions"""
     prompts_per_step: int = 64
     """prompts sampled per round and process (each prompt's whole group stays in its process)"""
