@@ -13,6 +13,7 @@ against wall time to benchmarks/compare.png.
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -113,6 +114,7 @@ def stage(name: str, seed: int, cwd: Path, args: Args) -> dict:
     if name in METHODS:
         flags += ["--eval-every", str(args.eval_every)]
     print(f"seed {seed}: {name}", flush=True)
+    shutil.rmtree(cwd / "runs" / name, ignore_errors=True)  # a rerun starts afresh: metrics.jsonl is appended to (for resumes)
     result = run(f"{name}.py", flags, cwd)
     result["rows"] = [json.loads(line) for line in (cwd / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     return result
