@@ -1,10 +1,13 @@
 """The lecture's closing comparison of PPO, DPO and GRPO, measured on the built-in task.
 
 For each seed it runs the whole pipeline as a user would (each script a subprocess with its defaults):
-sft, reward_model, then ppo, dpo and grpo from the same SFT model. It writes a markdown table (models
-held in memory, trainable parameters, peak memory, wall time, share of time generating, held-out accuracy
-before → after, KL to the reference at the end) into benchmarks/RESULTS.md and plots held-out accuracy
-against wall time to benchmarks/compare.png.
+sft, reward_model, then ppo, dpo and grpo from the same SFT model, and a control: the SFT model trained on
+(with sft.py) for DPO's steps, batch and learning rate, on the correct answers alone. The tiny SFT model
+stops at a constant learning rate, so a short low-rate continuation already raises it; a method's gain
+over the control is what its own signal adds. It writes a markdown table (models held in memory,
+trainable parameters, peak memory, wall time, share of time generating, held-out accuracy before → after,
+KL to the reference at the end) into benchmarks/RESULTS.md and plots held-out accuracy against wall time
+to benchmarks/compare.png.
 
     pip install -r benchmarks/requirements.txt
     python benchmarks/compare.py --seeds 1 2 3
@@ -35,7 +38,11 @@ METHODS = {  # what each method holds in memory while it trains (from the script
     "ppo": "4: policy, reference, reward model, critic",
     "dpo": "2: policy, reference (its log-probs cached)",
     "grpo": "2: policy, reference (rule-based reward)",
+    "more_sft": "1: policy",
 }
+LABELS = {"ppo": "PPO", "dpo": "DPO", "grpo": "GRPO", "more_sft": "more SFT (control)"}
+# the control: sft.py continued from models/sft with DPO's default steps, batch and learning rate
+CONTROL = ["--model", "models/sft", "--steps", "300", "--batch-size", "64", "--lr", "3e-5", "--output-dir", "models/more_sft"]
 
 
 @dataclass
@@ -106,6 +113,7 @@ QUICK = {  # a few steps of each stage (--quick, for tests)
     "ppo": ["--steps", "3", "--prompts-per-step", "16", "--eval-size", "32"],
     "dpo": ["--steps", "3", "--eval-size", "32"],
     "grpo": ["--steps", "3", "--prompts-per-step", "8", "--eval-size", "32"],
+    "more_sft": ["--steps", "3", "--eval-size", "32"],
 }
 
 
@@ -113,15 +121,17 @@ def stage(name: str, seed: int, cwd: Path, args: Args) -> dict:
     flags = ["--seed", str(seed), "--run-name", name, *(QUICK[name] if args.quick else [])]
     if name in METHODS:
         flags += ["--eval-every", str(args.eval_every)]
+    if name == "more_sft":
+        flags = CONTROL + flags
     print(f"seed {seed}: {name}", flush=True)
     shutil.rmtree(cwd / "runs" / name, ignore_errors=True)  # a rerun starts afresh: metrics.jsonl is appended to (for resumes)
-    result = run(f"{name}.py", flags, cwd)
+    result = run("sft.py" if name == "more_sft" else f"{name}.py", flags, cwd)
     result["rows"] = [json.loads(line) for line in (cwd / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     return result
 
 
 def pipeline(seed: int, base: dict, args: Args) -> dict:
-    """PPO, DPO and GRPO with this seed, from the shared SFT model and reward model in `base`."""
+    """PPO, DPO, GRPO and the control with this seed, from the shared SFT model and reward model in `base`."""
     cwd = Path(args.workdir).resolve() / f"seed{seed}"
     (cwd / "models").mkdir(parents=True, exist_ok=True)
     for name in ("sft", "reward"):
@@ -161,7 +171,7 @@ def mean_spread(values, fmt="{:.1f}", scale=1.0) -> str:
 def table(runs: list[dict], args: Args) -> str:
     columns = list(METHODS)
     lines = [
-        "| | " + " | ".join(m.upper() for m in columns) + " |",
+        "| | " + " | ".join(LABELS[m] for m in columns) + " |",
         "|---|" + "---|" * len(columns),
         "| models in memory | " + " | ".join(METHODS[m] for m in columns) + " |",
         "| trainable parameters | " + " | ".join(f"{runs[0][m]['trainable'] / 1e6:.2f}M" for m in columns) + " |",
@@ -173,7 +183,7 @@ def table(runs: list[dict], args: Args) -> str:
         "| KL(π ‖ π_ref) per completion at the end (nats) | " + " | ".join(mean_spread([r[m]["kl"] for r in runs], "{:.3f}") for m in columns) + " |",
     ]
     extra = (f"PPO's wall time excludes training its reward model ({mean_spread([r['reward_model']['wall_s'] for r in runs], '{:.0f}')} s, "
-             f"held-out pairwise accuracy {mean_spread([r['reward_model']['accuracy'] for r in runs], scale=100)}%); all three start "
+             f"held-out pairwise accuracy {mean_spread([r['reward_model']['accuracy'] for r in runs], scale=100)}%); all start "
              f"from the same SFT model ({mean_spread([r['sft']['wall_s'] for r in runs], '{:.0f}')} s).")
     return "\n".join(lines) + "\n\n" + extra
 
@@ -185,11 +195,11 @@ def plot(runs: list[dict], path: str):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for method, color in zip(METHODS, ["tab:red", "tab:blue", "tab:green"]):
+    for method, color in zip(METHODS, ["tab:red", "tab:blue", "tab:green", "tab:gray"]):
         for k, r in enumerate(runs):
             t, acc = zip(*r[method]["curve"])
             ax.plot(t, np.array(acc) * 100, color=color, marker="o", markersize=3, alpha=1.0 if k == 0 else 0.35,
-                    label=method.upper() if k == 0 else None)
+                    linestyle="--" if method == "more_sft" else "-", label=LABELS[method] if k == 0 else None)
     ax.set_xlabel("wall time of the stage (s, 2 CPU cores)" if not torch.cuda.is_available() else "wall time of the stage (s)")
     ax.set_ylabel("held-out greedy accuracy (%)")
     ax.set_title("3-digit addition: alignment from the same SFT model" + (f" ({len(runs)} seeds)" if len(runs) > 1 else ""))
@@ -210,7 +220,7 @@ def main(args: Args):
         f"## PPO vs DPO vs GRPO on the built-in task\n\n"
         f"Measured {time.strftime('%Y-%m-%d')} on {machine} (torch {torch.__version__}); `{command}`: every stage with its "
         f"{'defaults' if not args.quick else 'QUICK test budgets (meaningless numbers)'}; one SFT model and reward model (seed "
-        f"{args.sft_seed}), then PPO, DPO and GRPO with seeds {', '.join(map(str, args.seeds))}; held-out evaluation every "
+        f"{args.sft_seed}), then PPO, DPO, GRPO and the control (`sft.py {' '.join(CONTROL)}`) with seeds {', '.join(map(str, args.seeds))}; held-out evaluation every "
         f"{args.eval_every} steps. Mean ± half the range over seeds. Peak memory is each training process's own maximum resident set.\n\n"
         + table(runs, args) + f"\n\n![held-out accuracy against wall time]({Path(args.plot).name})\n"
     )

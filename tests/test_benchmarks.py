@@ -28,17 +28,17 @@ def fake_runs():
         return {"wall_s": wall, "peak_rss_gb": 0.5, "generation_share": 0.25, "before": before, "after": after, "kl": 0.1,
                 "trainable": 540_000, "curve": [(1.0, before), (wall, after)]}
     return [
-        {"ppo": method(0.68, 0.66, 60), "dpo": method(0.68, 0.70, 30), "grpo": method(0.68, 0.80, 80),
+        {"ppo": method(0.68, 0.66, 60), "dpo": method(0.68, 0.70, 30), "grpo": method(0.68, 0.80, 80), "more_sft": method(0.68, 0.75, 20),
          "reward_model": {"wall_s": 90, "accuracy": 0.80}, "sft": {"wall_s": 35}},
-        {"ppo": method(0.60, 0.62, 64), "dpo": method(0.60, 0.64, 32), "grpo": method(0.60, 0.84, 84),
+        {"ppo": method(0.60, 0.62, 64), "dpo": method(0.60, 0.64, 32), "grpo": method(0.60, 0.84, 84), "more_sft": method(0.60, 0.77, 22),
          "reward_model": {"wall_s": 92, "accuracy": 0.82}, "sft": {"wall_s": 37}},
     ]
 
 
 def test_table_reports_mean_and_spread_over_seeds():
     text = compare.table(fake_runs(), compare.Args())
-    assert "| held-out accuracy before → after (%) | 64.0 ± 4.0 → 64.0 ± 2.0 | 64.0 ± 4.0 → 67.0 ± 3.0 | 64.0 ± 4.0 → 82.0 ± 2.0 |" in text
-    assert "| wall time (s) | 62 ± 2 | 31 ± 1 | 82 ± 2 |" in text and "| share of time generating | 25% ± 0% |" in text
+    assert "| held-out accuracy before → after (%) | 64.0 ± 4.0 → 64.0 ± 2.0 | 64.0 ± 4.0 → 67.0 ± 3.0 | 64.0 ± 4.0 → 82.0 ± 2.0 | 64.0 ± 4.0 → 76.0 ± 1.0 |" in text
+    assert "| wall time (s) | 62 ± 2 | 31 ± 1 | 82 ± 2 | 21 ± 1 |" in text and "more SFT (control)" in text and "| share of time generating | 25% ± 0% |" in text
 
 
 def test_results_sections_are_replaced_not_duplicated(tmp_path):
