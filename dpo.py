@@ -7,6 +7,8 @@ preference pairs (y_w ≻ y_l), with no reward model and no sampling:
     h = log π_θ(y_w|x)/π_ref(y_w|x) − log π_θ(y_l|x)/π_ref(y_l|x)
     ℒ_DPO(θ) = −𝔼[ log σ(β·h) ]                   (sigmoid; label smoothing ls: −(1−ls)·log σ(βh) − ls·log σ(−βh))
     ℒ_IPO(θ) = 𝔼[ (h − 1/(2β))² ]                  (Azar et al. 2023)
+    + α·𝔼[ −log π_θ(y_w|x) / |y_w| ]               (--rpo-alpha: RPO, Pang et al. 2024; both likelihoods
+                                                   otherwise tend to fall together when y_w and y_l differ by a token)
 
 Rafailov et al. 2023 (arXiv:2305.18290).
 
@@ -72,6 +74,8 @@ class Args:
     """sigmoid: the DPO loss; ipo: the squared IPO loss"""
     label_smoothing: float = 0.0
     """ls: assumed probability that a preference label is flipped (conservative DPO; sigmoid only)"""
+    rpo_alpha: float = 0.0
+    """α: weight of the chosen completions' per-token NLL added to the loss (RPO; keeps log π(y_w) from falling)"""
     max_length: int = 1024
     """prompt and completions are each truncated to this many tokens (prompts from the left)"""
     eval_every: int = 50
@@ -443,6 +447,8 @@ def main(args: Args):
                     policy_chosen, policy_rejected, ref_cache[mine, 0], ref_cache[mine, 1], args.beta, args.loss_type, args.label_smoothing
                 )
                 # the step's mean over all its pairs; DDP averages over processes, hence × world
+                if args.rpo_alpha:  # RPO: + α · (−log π_θ(y_w) / |y_w|), so the chosen answer's likelihood is kept up
+                    losses = losses - args.rpo_alpha * policy_chosen / batch["completion_mask"][: len(mine)].sum(1)
                 loss = losses.sum() / (len(idx) / world)
                 loss.backward()
             totals["loss"] += loss.item()

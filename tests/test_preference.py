@@ -104,6 +104,13 @@ def test_dpo_end_to_end_learns_the_held_out_preferences(sft_run, tmp_path):
     for key in ["train/loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"]:
         assert key in metrics[1], key
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "dpo") is not None
+    # RPO (--rpo-alpha): the chosen answers' NLL is added, so their log-probs end higher than with DPO alone
+    run_script("dpo.py", "--model", str(model_dir), "--steps", "100", "--eval-every", "100", "--rpo-alpha", "1.0", "--run-name", "rpo",
+               "--output-dir", "models/rpo", cwd=tmp_path)
+    rpo = [m for m in read_metrics(tmp_path, "rpo") if "logps/chosen" in m]
+    assert rpo[0]["train/loss"] > math.log(2) + 0.01  # log 2 plus the NLL at the start
+    chosen = lambda rows: sum(m["logps/chosen"] for m in rows[-10:]) / 10
+    assert chosen(rpo) > chosen(train) + 0.05, (chosen(rpo), chosen(train))
 
 
 CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
