@@ -10,7 +10,9 @@ preference pairs (y_w ≻ y_l), with no reward model and no sampling:
     + α·𝔼[ −log π_θ(y_w|x) / |y_w| ]               (--rpo-alpha: RPO, Pang et al. 2024; both likelihoods
                                                    otherwise tend to fall together when y_w and y_l differ by a token)
 
-Rafailov et al. 2023 (arXiv:2305.18290).
+Rafailov et al. 2023 (arXiv:2305.18290). On the built-in task the pairs are, by default, π_ref's own samples
+(a right and a wrong answer to the same prompt, judged by the answer key), as in the paper's controlled
+experiments; `--sample-pairs 0` trains on the task's fixed pairs (a correct answer vs. a slip) instead.
 
     python dpo.py                                    # after `python sft.py`: the built-in task, CPU
     python dpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized --lr 5e-7 --batch-size 32
@@ -68,7 +70,7 @@ class Args:
     """linear warm-up steps"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold (global L2 norm)"""
-    beta: float = 1.0
+    beta: float = 3.0
     """β: strength of the implicit KL constraint (larger stays closer to π_ref; 0.1 is usual for chat models)"""
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     """sigmoid: the DPO loss; ipo: the squared IPO loss"""
@@ -76,6 +78,11 @@ class Args:
     """ls: assumed probability that a preference label is flipped (conservative DPO; sigmoid only)"""
     rpo_alpha: float = 0.0
     """α: weight of the chosen completions' per-token NLL added to the loss (RPO; keeps log π(y_w) from falling)"""
+    sample_pairs: int = 4
+    """rows with answers (the built-in task): sample this many completions per prompt from π_ref and pair a
+    correct one with a wrong one, instead of the dataset's fixed pairs (0: the fixed pairs)"""
+    sample_temperature: float = 0.7
+    """temperature of those samples"""
     max_length: int = 1024
     """prompt and completions are each truncated to this many tokens (prompts from the left)"""
     eval_every: int = 50
@@ -168,6 +175,26 @@ def pair_batch(prompts, rows, tokenizer, max_length: int, device) -> dict:
     """Chosen (first B rows) then rejected (last B rows), each ending with EOS: one concatenated forward."""
     completions = common.tokenize(tokenizer, [r["chosen"] for r in rows] + [r["rejected"] for r in rows], add_eos=True, max_length=max_length)
     return {k: v.to(device) for k, v in common.collate(prompts * 2, completions, tokenizer.pad_token_id).items()}
+
+
+@torch.no_grad()
+def sample_pairs(model, tokenizer, prompts, rows, k: int, temperature: float, max_new_tokens: int, batch_size: int, device) -> list[dict]:
+    """Pairs from the model's own samples, labelled by the answer key: k completions per prompt; a prompt
+    with a correct and a wrong one gives {prompt, chosen: the first correct, rejected: a wrong one at random}.
+    (The DPO paper builds its controlled-experiment pairs the same way: samples of π_SFT, scored by a judge.)"""
+    pairs = []
+    for i in range(0, len(rows), batch_size):
+        ids, mask = common.pad(prompts[i : i + batch_size], tokenizer.pad_token_id, "left")
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature, top_k=0,
+                             top_p=1.0, num_return_sequences=k, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+        for j, row in enumerate(rows[i : i + batch_size]):
+            right = [t for t in texts[j * k : (j + 1) * k] if common.is_correct(t, row["answer"])]
+            wrong = [t for t in texts[j * k : (j + 1) * k] if not common.is_correct(t, row["answer"])]
+            if right and wrong:
+                pairs.append({"prompt": row["prompt"], "chosen": right[0], "rejected": random.choice(wrong)})
+    return pairs
 
 
 # ---------------------------------------------------------------- several processes (torchrun)
@@ -351,6 +378,25 @@ def main(args: Args):
     eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_length, left_truncate=True)
     print(f"policy {args.model} on {device} × {world}; {len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}")
     step_rows = args.batch_size * args.grad_accum_steps * world
+    sampled = bool(state and "pairs" in state)
+    if sampled:  # resumed: the very pairs the run started with (the reference cache indexes them)
+        train_rows = state["pairs"]
+    elif args.sample_pairs and all(r.get("answer") is not None for r in train_rows[:1000]):
+        # On-policy pairs: the fixed pairs' slips are answers π_ref itself rarely gives, so pushing them
+        # down barely moves its greedy answers; its own right and wrong samples do (see README).
+        t_sample, n_prompts = time.time(), min(len(train_rows), 2 * args.steps * step_rows)  # ~60% of prompts give a pair
+        mine = slice(rank * n_prompts // world, (rank + 1) * n_prompts // world)
+        with autocast:
+            pairs = sample_pairs(ref, tokenizer, prompts[mine], train_rows[mine], args.sample_pairs, args.sample_temperature,
+                                 args.max_new_tokens, 8 * args.batch_size, device)
+        shares = [pairs]
+        if dist.is_initialized():  # every process trains on the same pairs
+            shares = [None] * world
+            dist.all_gather_object(shares, pairs)
+        train_rows, sampled, t_sample = [pair for share in shares for pair in share], True, time.time() - t_sample
+        print(f"sampled {args.sample_pairs} completions at T={args.sample_temperature} for each of {n_prompts} prompts from π_ref: "
+              f"{len(train_rows)} prompts had a right and a wrong one → training pairs ({t_sample:.0f} s)")
+    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
     if len(train_rows) < step_rows:
         fail(f"{len(train_rows)} training pairs are fewer than one step's {step_rows} (batch size × accumulation steps × processes)")
 
@@ -418,6 +464,8 @@ def main(args: Args):
         log(metrics, step, samples)
         return metrics
 
+    if sampled and not state:
+        log({"time/generation_s": round(t_sample, 3)}, 0)
     start = state["start"] if state else evaluate(0)
     print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
     end, last_checkpoint, skipped = start, checkpoint, state["skipped"] if state else 0
@@ -483,7 +531,7 @@ def main(args: Args):
                 cache = torch.stack(parts).nanmean(0)
             last_checkpoint = save_checkpoint(args, step, policy, tokenizer, optimizer, {
                 "schedule": schedule.state_dict(), "run_name": run_name, "start": start, "skipped": skipped,
-                "ref_cache": cache.cpu(), "wandb_id": wandb.run.id if args.track and rank == 0 else None,
+                "ref_cache": cache.cpu(), **({"pairs": train_rows} if sampled else {}), "wandb_id": wandb.run.id if args.track and rank == 0 else None,
             })
         if stopping:
             print(f"stopped by {(stop or ['a signal to another process'])[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")

@@ -36,7 +36,7 @@ from benchmarks.results import RESULTS, write_section  # noqa: E402
 
 METHODS = {  # what each method holds in memory while it trains (from the scripts)
     "ppo": "4: policy, reference, reward model, critic",
-    "dpo": "2: policy, reference (its log-probs cached)",
+    "dpo": "2: policy, reference (pairs sampled from it once; its log-probs cached)",
     "grpo": "2: policy, reference (rule-based reward)",
     "more_sft": "1: policy",
 }

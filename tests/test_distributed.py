@@ -45,7 +45,8 @@ def sft_dir(sft_run):
 
 EQUIVALENT = {  # 6 steps of each at a learning rate that moves the weights
     "sft.py": ["--steps", "6", "--lr", "3e-3", "--eval-every", "1000", "--eval-size", "8"],
-    "dpo.py": ["--model", "{sft}", "--steps", "6", "--lr", "1e-3", "--eval-every", "1000", "--eval-size", "8"],
+    # the fixed pairs: pairs sampled from π_ref depend on how the prompts are split over processes
+    "dpo.py": ["--model", "{sft}", "--steps", "6", "--lr", "1e-3", "--eval-every", "1000", "--eval-size", "8", "--sample-pairs", "0"],
 }
 
 
