@@ -2,7 +2,7 @@
 
 The optimal policy of max 𝔼[r] − β·D_KL[π ‖ π_ref] satisfies r(x, y) = β·log(π(y|x) / π_ref(y|x)) + β·log Z(x).
 Substituting this implicit reward into Bradley–Terry, Z(x) cancels and the policy is trained directly on
-preference pairs (y_w ≻ y_l), with no reward model and no sampling:
+preference pairs (y_w ≻ y_l), with no reward model and no sampling during training:
 
     h = log π_θ(y_w|x)/π_ref(y_w|x) − log π_θ(y_l|x)/π_ref(y_l|x)
     ℒ_DPO(θ) = −𝔼[ log σ(β·h) ]                   (sigmoid; label smoothing ls: −(1−ls)·log σ(βh) − ls·log σ(−βh))
@@ -374,7 +374,6 @@ def main(args: Args):
     train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
     has_answers = all(r.get("answer") is not None for r in eval_rows)
-    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
     eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_length, left_truncate=True)
     print(f"policy {args.model} on {device} × {world}; {len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}")
     step_rows = args.batch_size * args.grad_accum_steps * world
@@ -387,7 +386,8 @@ def main(args: Args):
         t_sample, n_prompts = time.time(), min(len(train_rows), 2 * args.steps * step_rows)  # ~60% of prompts give a pair
         mine = slice(rank * n_prompts // world, (rank + 1) * n_prompts // world)
         with autocast:
-            pairs = sample_pairs(ref, tokenizer, prompts[mine], train_rows[mine], args.sample_pairs, args.sample_temperature,
+            mine_prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows[mine]], max_length=args.max_length, left_truncate=True)
+            pairs = sample_pairs(ref, tokenizer, mine_prompts, train_rows[mine], args.sample_pairs, args.sample_temperature,
                                  args.max_new_tokens, 8 * args.batch_size, device)
         shares = [pairs]
         if dist.is_initialized():  # every process trains on the same pairs
@@ -494,9 +494,9 @@ def main(args: Args):
                 losses, chosen_rewards, rejected_rewards = dpo_loss(
                     policy_chosen, policy_rejected, ref_cache[mine, 0], ref_cache[mine, 1], args.beta, args.loss_type, args.label_smoothing
                 )
-                # the step's mean over all its pairs; DDP averages over processes, hence × world
                 if args.rpo_alpha:  # RPO: + α · (−log π_θ(y_w) / |y_w|), so the chosen answer's likelihood is kept up
                     losses = losses - args.rpo_alpha * policy_chosen / batch["completion_mask"][: len(mine)].sum(1)
+                # the step's mean over all its pairs; DDP averages over processes, hence × world
                 loss = losses.sum() / (len(idx) / world)
                 loss.backward()
             totals["loss"] += loss.item()
