@@ -111,7 +111,9 @@ sft.save_checkpoint(args, 2, model, tokenizer, optimizer, {{"note": "second"}})
 
 @pytest.mark.parametrize("script,sig", [(s, signal.SIGTERM) for s in SMALL] + [("sft.py", signal.SIGINT)])
 def test_a_stop_signal_saves_a_checkpoint_and_exits_zero(script, sig, models, tmp_path):
-    proc = start_script(script, *small(script, models, "--steps", "100000", "--run-name", "r", "--output-dir", "out"), cwd=tmp_path)
+    # dpo samples pairs for 2 × steps × batch prompts before training: with 100000 steps, fixed pairs instead
+    extra = ["--sample-pairs", "0"] if script == "dpo.py" else []
+    proc = start_script(script, *small(script, models, "--steps", "100000", "--run-name", "r", "--output-dir", "out", *extra), cwd=tmp_path)
     metrics = tmp_path / "runs/r/metrics.jsonl"
     wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc)  # step 0 eval + training
     proc.send_signal(sig)
