@@ -178,12 +178,13 @@ def pair_batch(prompts, rows, tokenizer, max_length: int, device) -> dict:
 
 
 @torch.no_grad()
-def sample_pairs(model, tokenizer, prompts, rows, k: int, temperature: float, max_new_tokens: int, batch_size: int, device) -> list[dict]:
+def sample_pairs(model, tokenizer, prompts, rows, k: int, temperature: float, max_new_tokens: int, batch_size: int, device,
+                 show_progress: bool = True) -> list[dict]:
     """Pairs from the model's own samples, labelled by the answer key: k completions per prompt; a prompt
     with a correct and a wrong one gives {prompt, chosen: the first correct, rejected: a wrong one at random}.
     (The DPO paper builds its controlled-experiment pairs the same way: samples of π_SFT, scored by a judge.)"""
     pairs = []
-    for i in range(0, len(rows), batch_size):
+    for i in tqdm(range(0, len(rows), batch_size), desc="sampling pairs", disable=not show_progress or None, leave=False):
         ids, mask = common.pad(prompts[i : i + batch_size], tokenizer.pad_token_id, "left")
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature, top_k=0,
                              top_p=1.0, num_return_sequences=k, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
@@ -388,7 +389,7 @@ def main(args: Args):
         with autocast:
             mine_prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows[mine]], max_length=args.max_length, left_truncate=True)
             pairs = sample_pairs(ref, tokenizer, mine_prompts, train_rows[mine], args.sample_pairs, args.sample_temperature,
-                                 args.max_new_tokens, 8 * args.batch_size, device)
+                                 args.max_new_tokens, 8 * args.batch_size, device, show_progress=rank == 0)
         shares = [pairs]
         if dist.is_initialized():  # every process trains on the same pairs
             shares = [None] * world
