@@ -249,7 +249,6 @@ def save_model(model, tokenizer, path: str, args: Args):
         tokenizer.save_pretrained(path)
 
 
-
 # ---------------------------------------------------------------- user errors, checkpoints
 def fail(message: str):
     """A user error: one line on stderr, exit code 2, no traceback."""
