@@ -80,3 +80,23 @@ def test_vs_trl_speed_runs_both_implementations_of_each_method(tmp_path):
         cells = [c.strip() for c in row.strip("|").split("|")[1:]]
         numbers = [float(x) for c in cells for x in c.replace("/", " ").split()]
         assert len(numbers) == 12 and all(x > 0 for x in numbers), row
+
+
+def test_reward_probe_sorts_slips_by_digit_and_counts_best_of_n(sft_run):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    import common
+    from benchmarks import reward_probe
+
+    assert [reward_probe.slip_kind("581", r) for r in ["1581", "481", "591", "582", "5"]] == ["length", "leading", "tens", "units", "length"]
+    assert reward_probe.slip_kind("1011", "1111") == "hundreds" and reward_probe.slip_kind("7", "8") == "units"
+    _, sft_dir, _ = sft_run
+    tokenizer = AutoTokenizer.from_pretrained(sft_dir)
+    policy = AutoModelForCausalLM.from_pretrained(sft_dir).eval()
+    reward = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1).eval()  # an untrained head
+    rows = common.arithmetic_rows("test", "preference")[:40]
+    by_kind = reward_probe.pairwise_by_kind(reward, tokenizer, rows)
+    assert sum(t for _, t in by_kind.values()) == 40 and all(0 <= c <= t for c, t in by_kind.values())
+    picks = reward_probe.best_of_n(policy, reward, tokenizer, common.arithmetic_rows("test", "prompt")[:16], 4, 0.7, seed=0)
+    assert set(picks) == {"random sample", "reward model's best of 4", "any of 4 (oracle)"}
+    assert picks["any of 4 (oracle)"] >= max(picks["random sample"], picks["reward model's best of 4"]) > 0
