@@ -265,6 +265,10 @@ def check_args(args: Args):
         fail(f"--save-every must be 0 (off) or positive (got {args.save_every})")
     if not 0 <= args.label_smoothing < 0.5:
         fail(f"--label-smoothing must be in [0, 0.5) (got {args.label_smoothing})")
+    if args.sample_pairs == 1 or args.sample_pairs < 0:
+        fail(f"--sample-pairs must be 0 (the fixed pairs) or at least 2 samples per prompt (got {args.sample_pairs})")
+    if args.sample_temperature <= 0:
+        fail(f"--sample-temperature must be positive (got {args.sample_temperature})")
 
 
 def checkpoints(output_dir: str) -> list[str]:

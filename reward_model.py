@@ -6,7 +6,9 @@ p(y_w ≻ y_l | x) = σ(r_ϕ(x, y_w) − r_ϕ(x, y_l)); maximum likelihood gives
     ℒ_RM(ϕ) = −𝔼_(x, y_w, y_l) [ log σ(r_ϕ(x, y_w) − r_ϕ(x, y_l) − m) ]      (m: optional margin)
 
 r_ϕ is the SFT model with a scalar head, read at the last real token of prompt + completion. PPO then
-maximises r_ϕ (Ouyang et al. 2022, InstructGPT; Bradley & Terry 1952).
+maximises r_ϕ (Ouyang et al. 2022, InstructGPT; Bradley & Terry 1952). On the built-in task the pairs are,
+by default, the SFT model's own samples, a right and a wrong answer to the same prompt (InstructGPT's
+labellers also ranked the policy's own samples): those are the answers PPO will have to tell apart.
 
     python reward_model.py                           # after `python sft.py`: the built-in task, CPU
     python reward_model.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized --lr 1e-5
@@ -31,7 +33,7 @@ import tyro
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import common
 
@@ -46,7 +48,7 @@ class Args:
     """the hub dataset's configuration name, if it has several"""
     output_dir: str = "models/reward"
     """where the reward model and tokenizer are saved"""
-    steps: int = 500
+    steps: int = 1500
     """optimiser steps"""
     batch_size: int = 128
     """preference pairs per micro-batch and process (one optimiser step: batch_size × grad_accum_steps × processes)"""
@@ -58,6 +60,14 @@ class Args:
     """linear warm-up steps"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold (global L2 norm)"""
+    sample_pairs: int = 4
+    """rows with answers (the built-in task): train and evaluate on pairs of the starting model's own
+    samples, this many per prompt, a correct one vs a wrong one: the mistakes PPO's policy will make (0: the
+    dataset's fixed pairs)"""
+    sample_temperature: float = 0.7
+    """temperature of those samples (ppo.py samples at 0.7 too)"""
+    sample_prompts: int = 30000
+    """training prompts sampled for those pairs (about 60% give a pair)"""
     center_rewards_coef: float = 0.0
     """weight of (r_w + r_l)² in the loss, which keeps rewards centred during training (0: off)"""
     max_length: int = 1024
@@ -128,6 +138,25 @@ def pair_batch(prompts, rows, tokenizer, max_length: int, device) -> dict:
     """Chosen (first B rows) and rejected (last B rows) completions after their (tokenized) prompt, one batch."""
     completions = common.tokenize(tokenizer, [r["chosen"] for r in rows] + [r["rejected"] for r in rows], add_eos=True, max_length=max_length)
     return {k: v.to(device) for k, v in common.collate(prompts * 2, completions, tokenizer.pad_token_id).items()}
+
+
+def sample_pairs(model, tokenizer, prompts, rows, k: int, temperature: float, max_new_tokens: int, batch_size: int, device,
+                 show_progress: bool = True) -> list[dict]:
+    """Pairs from a causal LM's own samples, labelled by the answer key: k completions per prompt; a prompt
+    with a correct and a wrong one gives {prompt, chosen: the first correct, rejected: a wrong one at random}."""
+    pairs = []
+    for i in tqdm(range(0, len(rows), batch_size), desc="sampling pairs", disable=not show_progress or None, leave=False):
+        ids, mask = common.pad(prompts[i : i + batch_size], tokenizer.pad_token_id, "left")
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature, top_k=0,
+                             top_p=1.0, num_return_sequences=k, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+        for j, row in enumerate(rows[i : i + batch_size]):
+            right = [t for t in texts[j * k : (j + 1) * k] if common.is_correct(t, row["answer"])]
+            wrong = [t for t in texts[j * k : (j + 1) * k] if not common.is_correct(t, row["answer"])]
+            if right and wrong:
+                pairs.append({"prompt": row["prompt"], "chosen": right[0], "rejected": random.choice(wrong)})
+    return pairs
 
 
 # ---------------------------------------------------------------- several processes (torchrun)
@@ -206,6 +235,12 @@ def check_args(args: Args):
         fail(f"--save-every must be 0 (off) or positive (got {args.save_every})")
     if args.center_rewards_coef < 0:
         fail(f"--center-rewards-coef must be 0 (off) or positive (got {args.center_rewards_coef})")
+    if args.sample_pairs == 1 or args.sample_pairs < 0:
+        fail(f"--sample-pairs must be 0 (the fixed pairs) or at least 2 samples per prompt (got {args.sample_pairs})")
+    if args.sample_temperature <= 0:
+        fail(f"--sample-temperature must be positive (got {args.sample_temperature})")
+    if args.sample_prompts <= 0:
+        fail(f"--sample-prompts must be positive (got {args.sample_prompts})")
 
 
 def checkpoints(output_dir: str) -> list[str]:
@@ -308,6 +343,36 @@ def main(args: Args):
 
     train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
+    sampled = bool(state and "pairs" in state)
+    if sampled:  # resumed: the very pairs the run started with
+        train_rows, eval_rows = state["pairs"]
+    elif args.sample_pairs and all(r.get("answer") is not None for r in eval_rows):
+        # The fixed pairs' slips are not the mistakes the policy makes: a reward model trained on them picks
+        # wrong answers among the policy's own samples, and PPO learns to give them (see README).
+        t_sample, lm = time.time(), AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=torch.float32, trust_remote_code=args.trust_remote_code, use_safetensors=True).to(device).eval()
+
+        def own_pairs(rows: list[dict]) -> list[dict]:
+            """sample_pairs over `rows`, each process a share, gathered: every process gets the same pairs."""
+            mine = rows[rank * len(rows) // world : (rank + 1) * len(rows) // world]
+            prompt_ids = common.tokenize(tokenizer, [r["prompt"] for r in mine], max_length=args.max_length, left_truncate=True)
+            with autocast:  # 8 new tokens: the built-in task's answers have at most 4 digits
+                pairs = sample_pairs(lm, tokenizer, prompt_ids, mine, args.sample_pairs, args.sample_temperature, 8, 8 * args.batch_size,
+                                     device, show_progress=rank == 0)
+            shares = [pairs]
+            if dist.is_initialized():
+                shares = [None] * world
+                dist.all_gather_object(shares, pairs)
+            return [pair for share in shares for pair in share]
+
+        n_prompts, n_eval = min(len(train_rows), args.sample_prompts), len(eval_rows)
+        train_rows, eval_rows, sampled = own_pairs(train_rows[:n_prompts]), own_pairs(eval_rows), True
+        del lm
+        if not eval_rows:
+            fail(f"none of the {n_eval} held-out prompts had both a right and a wrong sample: raise --eval-size or --sample-pairs, "
+                 "or pass --sample-pairs 0 for the fixed pairs")
+        print(f"sampled {args.sample_pairs} completions at T={args.sample_temperature} for each of {n_prompts} train and {n_eval} "
+              f"held-out prompts from {args.model}: a right and a wrong one → a pair ({time.time() - t_sample:.0f} s)")
     prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
     eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_length, left_truncate=True)
     print(f"reward model from {args.model} on {device} × {world}; {len(train_rows)} train / {len(eval_rows)} held-out pairs")
@@ -408,7 +473,7 @@ def main(args: Args):
         if (args.save_every and step % args.save_every == 0) or stopping:  # a signal to any process stops all
             last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, {
                 "schedule": schedule.state_dict(), "run_name": run_name, "start": start, "skipped": skipped,
-                "wandb_id": wandb.run.id if args.track and rank == 0 else None,
+                "wandb_id": wandb.run.id if args.track and rank == 0 else None, **({"pairs": [train_rows, eval_rows]} if sampled else {}),
             })
         if stopping:
             print(f"stopped by {(stop or ['a signal to another process'])[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")

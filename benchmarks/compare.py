@@ -109,7 +109,7 @@ def trainable_parameters(method: str, cwd: Path) -> int:
 
 QUICK = {  # a few steps of each stage (--quick, for tests)
     "sft": ["--steps", "30", "--eval-every", "30", "--eval-size", "32"],
-    "reward_model": ["--steps", "5", "--eval-size", "32"],
+    "reward_model": ["--steps", "5", "--eval-size", "32", "--sample-prompts", "256"],
     "ppo": ["--steps", "3", "--prompts-per-step", "16", "--eval-size", "32"],
     "dpo": ["--steps", "3", "--eval-size", "32"],
     "grpo": ["--steps", "3", "--prompts-per-step", "8", "--eval-size", "32"],

@@ -37,3 +37,16 @@ def sft_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("sft")
     run_script("sft.py", "--steps", str(SFT_TEST_STEPS), "--eval-every", "300", "--run-name", "session", cwd=cwd)
     return cwd, cwd / "models" / "sft", read_metrics(cwd, "session")
+
+
+RM_TEST_ARGS = ["--steps", "300", "--eval-every", "150", "--sample-prompts", "5000"]  # ~1/5 of the defaults' pairs and steps
+
+
+@pytest.fixture(scope="session")
+def reward_run(sft_run, tmp_path_factory):
+    """A reward model trained once from the session SFT model, on pairs of its own samples (the default on
+    the built-in task): (work dir, model dir, metrics rows, stdout)."""
+    _, sft_dir, _ = sft_run
+    cwd = tmp_path_factory.mktemp("reward")
+    out = run_script("reward_model.py", "--model", str(sft_dir), *RM_TEST_ARGS, "--run-name", "session", cwd=cwd).stdout
+    return cwd, cwd / "models" / "reward", read_metrics(cwd, "session"), out

@@ -74,7 +74,8 @@ def test_two_processes_and_accumulation_equal_one_big_batch(script, sft_dir, tmp
 
 
 RUNS = [  # script, flags: each completes under torchrun and saves what transformers loads
-    ("reward_model.py", ["--model", "{sft}", "--steps", "3", "--batch-size", "8", "--eval-size", "8", "--fsdp", "--save-every", "3"]),
+    ("reward_model.py", ["--model", "{sft}", "--steps", "3", "--batch-size", "8", "--eval-size", "16", "--sample-prompts", "64", "--fsdp",
+                         "--save-every", "3"]),
     ("grpo.py", ["--model", "{sft}", "--steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "8", "--loss-type", "dapo"]),
     ("ppo.py", ["--model", "{sft}", "--reward-model", "{rm}", "--steps", "3", "--prompts-per-step", "8", "--eval-size", "8", "--fsdp", "--save-every", "3"]),
 ]
@@ -92,3 +93,5 @@ def test_each_script_runs_under_torchrun(script, flags, sft_dir, tmp_path):
     if "--save-every" in flags:
         state = torch.load(tmp_path / "out/checkpoint-3/trainer_state.pt", weights_only=True)
         assert len(state["rng"]) == 2  # each process's RNG states
+    if script == "reward_model.py":  # each process sampled half the prompts; both train on all the pairs
+        assert "for each of 64 train and 16 held-out prompts" in proc.stdout and len(state["pairs"][0]) > 8

@@ -79,13 +79,13 @@ def test_reward_scores_read_at_the_last_real_token(sft_run):
 
 
 # ---------------------------------------------------------------- end to end
-def test_reward_model_end_to_end(sft_run, tmp_path):
-    _, model_dir, _ = sft_run
-    run_script("reward_model.py", "--model", str(model_dir), "--steps", "150", "--eval-every", "150", "--run-name", "rm", cwd=tmp_path)
-    evals = [m for m in read_metrics(tmp_path, "rm") if "eval/accuracy" in m]
-    # measured: 0.55 → ~0.70 with this budget (the ≥ 90% target of the issue is not reached yet)
-    assert evals[-1]["eval/accuracy"] >= 0.65 and evals[-1]["eval/accuracy"] > evals[0]["eval/accuracy"] + 0.1, evals
-    saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "models" / "reward")
+def test_reward_model_end_to_end(reward_run):
+    _, reward_dir, metrics, out = reward_run
+    assert "for each of 5000 train and 500 held-out prompts" in out  # pairs of the SFT model's own samples
+    evals = [m for m in metrics if "eval/accuracy" in m]
+    # measured: 49.7% -> 73.7% with this budget (the defaults, 1500 steps on 30000 prompts: 49.8% -> 87.9%)
+    assert evals[-1]["eval/accuracy"] >= 0.7 and evals[-1]["eval/accuracy"] > evals[0]["eval/accuracy"] + 0.15, evals
+    saved = AutoModelForSequenceClassification.from_pretrained(reward_dir)
     assert saved.config.num_labels == 1 and hasattr(saved.config, "reward_offset")
 
 

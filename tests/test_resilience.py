@@ -48,7 +48,7 @@ def models(sft_run, tmp_path_factory):
 
 SMALL = {  # a few quick steps of each script; {sft} and {reward} are filled from the fixture
     "sft.py": ["--steps", "40", "--batch-size", "16", "--eval-every", "1000", "--eval-size", "16"],
-    "reward_model.py": ["--model", "{sft}", "--steps", "40", "--batch-size", "8", "--eval-every", "1000", "--eval-size", "16"],
+    "reward_model.py": ["--model", "{sft}", "--steps", "40", "--batch-size", "8", "--eval-every", "1000", "--eval-size", "16", "--sample-prompts", "400"],
     "dpo.py": ["--model", "{sft}", "--steps", "40", "--batch-size", "8", "--eval-every", "1000", "--eval-size", "16"],
     "grpo.py": ["--model", "{sft}", "--steps", "20", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "1000", "--eval-size", "16"],
     "ppo.py": ["--model", "{sft}", "--reward-model", "{reward}", "--steps", "20", "--prompts-per-step", "8", "--eval-every", "1000", "--eval-size", "16"],
@@ -59,7 +59,7 @@ def small(script, models, *extra):
     return [a.format(**models) for a in SMALL[script]] + list(extra)
 
 
-@pytest.mark.parametrize("script", ["sft.py", "dpo.py", "grpo.py"])
+@pytest.mark.parametrize("script", ["sft.py", "reward_model.py", "dpo.py", "grpo.py"])
 def test_kill_and_resume_reproduces_the_uninterrupted_run(script, models, tmp_path):
     """2N steps in one go == the same run SIGKILLed after a checkpoint and resumed: metrics and weights
     (bit-equal in practice; compared to float rounding)."""
