@@ -12,7 +12,8 @@ near π_ref; a critic V_ψ (initialised from the reward model) is the baseline f
 Schulman et al. 2017 (arXiv:1707.06347), GAE: Schulman et al. 2016 (arXiv:1506.02438), Ouyang et al. 2022.
 
     python ppo.py                                    # after `python sft.py` and `python reward_model.py`
-    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --reward-model <rm> --dataset trl-lib/tldr --max-new-tokens 64 --lr 1e-6
+    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --reward-model <rm> --dataset trl-lib/tldr --max-new-tokens 64 --lr 1e-6 \
+        --kl-coef 0.05
 """
 
 import copy
@@ -53,7 +54,7 @@ class Args:
     """the hub dataset's configuration name, if it has several"""
     output_dir: str = "models/ppo"
     """where the trained policy and tokenizer are saved"""
-    steps: int = 100
+    steps: int = 200
     """rollout/update rounds"""
     prompts_per_step: int = 128
     """prompts per rollout (one completion each)"""
@@ -63,7 +64,7 @@ class Args:
     """minibatches per pass (one optimiser step each)"""
     grad_accum_steps: int = 1
     """micro-batches per minibatch: gradients are summed over them before its optimiser step (less memory)"""
-    lr: float = 1e-5
+    lr: float = 2e-5
     """learning rate of policy and critic (AdamW)"""
     warmup_steps: int = 10
     """linear warm-up rounds"""
@@ -75,8 +76,9 @@ class Args:
     """values move at most this far from V_old in the clipped value loss"""
     vf_coef: float = 0.1
     """weight of the value loss"""
-    kl_coef: float = 0.3
-    """β: per-token KL penalty to the reference in the reward"""
+    kl_coef: float = 2.0
+    """β: per-token KL penalty to the reference in the reward (2 holds the tiny model close to what the
+    reward model has seen; 0.05 is usual for hub models and reward models)"""
     gamma: float = 1.0
     """γ: discount"""
     lam: float = 0.95

@@ -83,16 +83,17 @@ def test_clipped_policy_loss_has_no_gradient_outside_the_trust_region():
     assert torch.equal(logps.grad, torch.zeros(1, 2)) and stats["clip_fraction"] == 1
 
 
-def test_ppo_end_to_end(sft_run, tmp_path):
-    """A reward model is trained, then PPO raises its score with the KL to the reference logged and bounded.
-    (Held-out accuracy does not rise yet with the small built-in reward model: see the issue's notes.)"""
+def test_ppo_end_to_end(sft_run, reward_run, tmp_path):
+    """PPO against the session reward model raises held-out accuracy and its score, with the KL to the
+    reference logged and bounded."""
     _, model_dir, _ = sft_run
-    run_script("reward_model.py", "--model", str(model_dir), "--steps", "100", "--eval-every", "100", "--run-name", "r", cwd=tmp_path)
-    run_script("ppo.py", "--model", str(model_dir), "--steps", "30", "--eval-every", "30", "--kl-coef", "0.3", "--lr", "1e-5",
+    run_script("ppo.py", "--model", str(model_dir), "--reward-model", str(reward_run[1]), "--steps", "50", "--eval-every", "50",
                "--run-name", "p", cwd=tmp_path)
     metrics = read_metrics(tmp_path, "p")
     evals = [m for m in metrics if "eval/score" in m]
-    assert evals[-1]["eval/score"] > evals[0]["eval/score"] and "eval/accuracy" in evals[-1]
+    assert evals[-1]["eval/score"] > evals[0]["eval/score"]
+    # measured: 66.0% -> 70.0% after 50 rounds (the defaults, 200 rounds with a longer-trained reward model: 75.4%)
+    assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.03, evals
     train = [m for m in metrics if "objective/kl" in m]
     assert all(-0.05 < m["objective/kl"] < 2 for m in train)  # a sampled estimate: ~0 at the start
     for key in ["objective/scores", "objective/rlhf_reward", "policy/clip_fraction", "policy/approx_kl", "value/loss",
