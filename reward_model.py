@@ -48,7 +48,7 @@ class Args:
     """the hub dataset's configuration name, if it has several"""
     output_dir: str = "models/reward"
     """where the reward model and tokenizer are saved"""
-    steps: int = 1500
+    steps: int = 2500
     """optimiser steps"""
     batch_size: int = 128
     """preference pairs per micro-batch and process (one optimiser step: batch_size × grad_accum_steps × processes)"""
@@ -66,7 +66,7 @@ class Args:
     dataset's fixed pairs)"""
     sample_temperature: float = 0.7
     """temperature of those samples (ppo.py samples at 0.7 too)"""
-    sample_prompts: int = 30000
+    sample_prompts: int = 60000
     """training prompts sampled for those pairs (about 60% give a pair)"""
     center_rewards_coef: float = 0.0
     """weight of (r_w + r_l)² in the loss, which keeps rewards centred during training (0: off)"""
