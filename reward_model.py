@@ -48,9 +48,9 @@ class Args:
     """the hub dataset's configuration name, if it has several"""
     output_dir: str = "models/reward"
     """where the reward model and tokenizer are saved"""
-    steps: int = 2500
+    steps: int = 4500
     """optimiser steps"""
-    batch_size: int = 128
+    batch_size: int = 64
     """preference pairs per micro-batch and process (one optimiser step: batch_size × grad_accum_steps × processes)"""
     grad_accum_steps: int = 1
     """micro-batches whose gradients are summed before each optimiser step"""
@@ -58,6 +58,8 @@ class Args:
     """peak learning rate (AdamW); use ~1e-5 for pretrained models"""
     warmup_steps: int = 20
     """linear warm-up steps"""
+    lr_decay: bool = True
+    """after the warm-up, decay the learning rate linearly to 0 at the last step (--no-lr-decay: constant)"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold (global L2 norm)"""
     sample_pairs: int = 4
@@ -366,7 +368,8 @@ def main(args: Args):
             return [pair for share in shares for pair in share]
 
         n_prompts, n_eval = min(len(train_rows), args.sample_prompts), len(eval_rows)
-        train_rows, eval_rows, sampled = own_pairs(train_rows[:n_prompts]), own_pairs(eval_rows), True
+        # held-out first, so that its pairs do not depend on --sample-prompts
+        eval_rows, train_rows, sampled = own_pairs(eval_rows), own_pairs(train_rows[:n_prompts]), True
         del lm
         if not eval_rows:
             fail(f"none of the {n_eval} held-out prompts had both a right and a wrong sample: raise --eval-size or --sample-pairs, "
@@ -382,7 +385,9 @@ def main(args: Args):
 
     # fused: the whole update in one kernel, without foreach's parameter-sized temporaries (transformers' default too)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
+    # the decay is worth ~2 points of held-out accuracy on the built-in task at the same budget (README)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
+        (s + 1) / args.warmup_steps, max(0.0, (args.steps - s) / max(1, args.steps - args.warmup_steps)) if args.lr_decay else 1.0))
     if state:
         if len(state["rng"]) != world:
             fail(f"{checkpoint} was written by {len(state['rng'])} processes; resume it with as many")
@@ -466,7 +471,8 @@ def main(args: Args):
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
         progress.set_postfix(loss=f"{metrics['loss']:.4f}")
-        log({**{f"train/{k}": v for k, v in metrics.items()}, "train/grad_norm": grad_norm.item(), "train/skipped_steps": skipped}, step)
+        log({**{f"train/{k}": v for k, v in metrics.items()}, "train/grad_norm": grad_norm.item(), "train/lr": schedule.get_last_lr()[0],
+             "train/skipped_steps": skipped}, step)
         if step % args.eval_every == 0 or step == args.steps:
             end = evaluate(step)
             tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()))

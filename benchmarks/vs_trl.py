@@ -159,7 +159,8 @@ def ours_flags(method: str, args: Args, model: Path, data: dict, out: Path) -> l
         return flags + ["--dataset", str(data["prompt"]), "--prompts-per-step", str(args.prompts_per_step),
                         "--group-size", str(args.group_size), "--micro-batch-size", str(n), "--beta", "0.04",
                         "--loss-type", "grpo", "--temperature", "0.7", "--max-new-tokens", "8"]
-    return flags + ["--dataset", str(data["preference"]), "--batch-size", str(args.batch_size)] + (["--beta", str(args.beta)] if method == "dpo" else [])
+    flags += ["--beta", str(args.beta)] if method == "dpo" else ["--no-lr-decay"]  # TRL's runs: constant learning rate
+    return flags + ["--dataset", str(data["preference"]), "--batch-size", str(args.batch_size)]
 
 
 def trl_worker(args: Args):

@@ -39,7 +39,7 @@ def sft_run(tmp_path_factory):
     return cwd, cwd / "models" / "sft", read_metrics(cwd, "session")
 
 
-RM_TEST_ARGS = ["--steps", "300", "--eval-every", "150", "--sample-prompts", "5000"]  # ~1/5 of the defaults' pairs and steps
+RM_TEST_ARGS = ["--steps", "900", "--eval-every", "300", "--sample-prompts", "5000"]  # ~1/10 of the defaults' pairs, 1/5 of their steps
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import common
 import dpo
 import reward_model
-from conftest import read_metrics, run_script
+from conftest import RM_TEST_ARGS, read_metrics, run_script
 
 
 # ---------------------------------------------------------------- math
@@ -83,8 +83,12 @@ def test_reward_model_end_to_end(reward_run):
     _, reward_dir, metrics, out = reward_run
     assert "for each of 5000 train and 500 held-out prompts" in out  # pairs of the SFT model's own samples
     evals = [m for m in metrics if "eval/accuracy" in m]
-    # measured: 49.7% -> 73.7% with this budget (the defaults, 2500 steps on 60000 prompts: 52.8% -> 89.4%)
-    assert evals[-1]["eval/accuracy"] >= 0.7 and evals[-1]["eval/accuracy"] > evals[0]["eval/accuracy"] + 0.15, evals
+    # measured: 53.3% -> 70.5% with this budget (73.5% at step 600; ~300 held-out pairs, so ±2.6 points of
+    # noise); the defaults, 4500 steps on 60000 prompts: 53.3% -> 91.7%
+    assert evals[-1]["eval/accuracy"] >= 0.65 and evals[-1]["eval/accuracy"] > evals[0]["eval/accuracy"] + 0.12, evals
+    lr = [m["train/lr"] for m in metrics if "train/lr" in m]  # warm-up (20 steps) to 3e-4, then linearly down to 0
+    steps = int(RM_TEST_ARGS[RM_TEST_ARGS.index("--steps") + 1])
+    assert lr[0] < lr[19] == pytest.approx(3e-4) and lr[300] == pytest.approx(3e-4 * (steps - 301) / (steps - 20)) and lr[-1] == 0.0, lr[:3] + lr[-3:]
     saved = AutoModelForSequenceClassification.from_pretrained(reward_dir)
     assert saved.config.num_labels == 1 and hasattr(saved.config, "reward_offset")
 
