@@ -276,7 +276,7 @@ def pad(seqs: list[list[int]], pad_id: int, side: str) -> tuple[torch.Tensor, to
     """Pads to the longest sequence on the `left` (prompts for generation) or `right` (completions).
     Returns (ids [B, L], mask [B, L]); the mask marks real tokens, so it never depends on pad_id ≠ EOS."""
     width = max(len(s) for s in seqs)
-    fill = [width - len(s) for s in seqs]  # built as lists, one tensor each: ~5× faster than row by row
+    fill = [width - len(s) for s in seqs]  # lists, then one tensor each: far fewer torch calls than row by row
     if side == "left":
         ids, mask = [[pad_id] * f + list(s) for f, s in zip(fill, seqs)], [[0] * f + [1] * len(s) for f, s in zip(fill, seqs)]
     else:
