@@ -91,6 +91,18 @@ def build_char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """AutoTokenizer.from_pretrained, except that a tokenizer saved as a plain `tokenizers` one (the built-in
+    character tokenizer) loads as saved: for some model types (qwen2) transformers 5 swaps in the type's own
+    class, whose byte-level pre-tokenizer silently drops the spaces and newlines of a character vocabulary."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import get_tokenizer_config
+
+    if get_tokenizer_config(path).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
 # ---------------------------------------------------------------- answers
 def extract_gsm8k_answer(text: str) -> str:
     """GSM8K's reference answer: the number after '####', without thousands separators."""
@@ -227,9 +239,10 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
             else:
                 need("prompt")
                 prompt, answer = row["prompt"], row.get("answer")
-            if is_conversational(prompt):
-                prompt = render_chat(tokenizer, prompt, add_generation_prompt=True)
-            out.append({"prompt": prompt, "answer": None if answer is None else str(answer)})
+            messages = prompt if is_conversational(prompt) else None  # kept: a reward model may render them its own way
+            if messages:
+                prompt = render_chat(tokenizer, messages, add_generation_prompt=True)
+            out.append({"prompt": prompt, "answer": None if answer is None else str(answer), "messages": messages})
         else:
             need("chosen", "rejected")
             chosen, rejected = row["chosen"], row["rejected"]
@@ -249,9 +262,32 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
 
 
 # ---------------------------------------------------------------- tokenising and batching
-def tokenize(tokenizer, texts: list[str], add_eos: bool = False, max_length: int | None = None, left_truncate=False):
-    """Token ids of each text. Prompts keep the tokenizer's own special tokens (e.g. BOS);
-    completions (`add_eos=True`) get none but end with exactly one EOS."""
+def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS and each EOS of the model's generation_config
+    (chat models list several, e.g. Qwen's `<|im_end|>` and `<|endoftext|>`)."""
+    ids = [tokenizer.eos_token_id]
+    extra = getattr(generation_config, "eos_token_id", None)
+    for i in extra if isinstance(extra, (list, tuple)) else [extra]:
+        if i is not None and i not in ids:
+            ids.append(int(i))
+    return ids
+
+
+def same_tokenizer(a, b) -> bool:
+    """True when two tokenizers give the same ids for the same text and conversation (vocabulary, special
+    tokens, chat template): then a reward model can read the policy's token ids as they are."""
+    return a is b or (
+        a.get_vocab() == b.get_vocab() and (a.bos_token_id, a.eos_token_id) == (b.bos_token_id, b.eos_token_id)
+        and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
+    )
+
+
+def tokenize(tokenizer, texts: list[str], add_eos: bool = False, max_length: int | None = None, left_truncate=False,
+             eos_ids: list[int] | None = None):
+    """Token ids of each text. Prompts keep the tokenizer's own special tokens (e.g. BOS); completions
+    (`add_eos=True`) get none and end at their first EOS (any of `eos_ids`, default the tokenizer's), as
+    sampling would; one without an EOS gets the tokenizer's. A chat template's `<|im_end|>\n` thus ends at
+    `<|im_end|>`."""
     backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer itself: ~3× faster on long lists
     if backend is not None:
         ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=not add_eos)]
@@ -260,7 +296,9 @@ def tokenize(tokenizer, texts: list[str], add_eos: bool = False, max_length: int
     if not add_eos:  # an empty prompt becomes one EOS, so the first completion token has a context (GPT-2's way)
         ids = [x or [tokenizer.eos_token_id] for x in ids]
     if add_eos:
-        ids = [x if x[-1:] == [tokenizer.eos_token_id] else x + [tokenizer.eos_token_id] for x in ids]
+        eos = set(eos_ids or [tokenizer.eos_token_id])
+        ends = [next((i for i, t in enumerate(x) if t in eos), None) for x in ids]
+        ids = [x + [tokenizer.eos_token_id] if end is None else x[: end + 1] for x, end in zip(ids, ends)]
     if max_length is not None and left_truncate:  # prompts: too long for every row is a setting error
         too_long = sum(len(x) > max_length for x in ids)
         if ids and too_long == len(ids):
@@ -270,6 +308,25 @@ def tokenize(tokenizer, texts: list[str], add_eos: bool = False, max_length: int
     if max_length is not None:
         ids = [x[-max_length:] if left_truncate else x[:max_length] for x in ids]
     return ids
+
+
+def retokenize(tokenizer, rows: list[dict], completions: list[str], ended: list[bool], max_prompt_length: int):
+    """(input_ids, attention_mask) of prompt + completion as a reward model with another `tokenizer` reads
+    them, tokenized as reward_model.py tokenizes its pairs: conversational prompts (`messages`) rendered with
+    its chat template and the completion as the assistant's turn, plain prompts as they are; EOS only where
+    the policy emitted one (`ended`)."""
+    prompts, texts = [], []
+    for row, completion in zip(rows, completions):
+        if row.get("messages"):
+            prompt, completion = _split_chat(tokenizer, row["messages"], [{"role": "assistant", "content": completion}])
+        else:
+            prompt = row["prompt"]
+        prompts.append(prompt)
+        texts.append(completion)
+    prompt_ids = tokenize(tokenizer, prompts, max_length=max_prompt_length, left_truncate=True)
+    completion_ids = [ids if done else ids[:-1] for ids, done in zip(tokenize(tokenizer, texts, add_eos=True), ended)]
+    batch = collate(prompt_ids, completion_ids, tokenizer.pad_token_id)
+    return batch["input_ids"], batch["attention_mask"]
 
 
 def pad(seqs: list[list[int]], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:

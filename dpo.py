@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 import common
 
@@ -120,15 +120,16 @@ class Args:
 
 
 # ---------------------------------------------------------------- math
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log π(y_t | ·) of the given tokens: logits [B,T,V], tokens [B,T] → [B,T].
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log π(y_t | ·) of the given tokens at sampling temperature T: logits [B,T,V], tokens [B,T] → [B,T].
 
-    Equals logits.log_softmax(-1).gather(-1, tokens) but computed as gather − logsumexp in fp32, a few
-    rows at a time, so the full [B,T,V] fp32 log-softmax is never materialised."""
+    Equals (logits / T).log_softmax(-1).gather(-1, tokens) but computed as gather − logsumexp in fp32 (T
+    divides the fp32 logits, as sampling does: bf16 logits / T would be off by up to ~0.1 nats), a few rows
+    at a time, so the full [B,T,V] fp32 log-softmax is never materialised."""
     rows = max(1, 2**26 // max(1, logits.shape[1] * logits.shape[2]))
     out = []
     for lg, tk in zip(logits.split(rows), tokens.split(rows)):
-        lg = lg.float()
+        lg = lg.float() / temperature
         out.append(lg.gather(-1, tk.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, dim=-1))
     return torch.cat(out)
 
@@ -153,6 +154,20 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
 
 
 # ---------------------------------------------------------------- helpers
+@torch.no_grad()
+def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
+    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
+    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
+    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
+    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
+    own = model.generation_config
+    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
+    try:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
+    finally:
+        model.generation_config = own
+
+
 def load_model(path: str, trust_remote_code: bool):
     """A causal LM in fp32 (master weights) with every dropout probability in its config at 0."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -171,9 +186,10 @@ def sequence_logps(model, batch: dict) -> torch.Tensor:
     return (token_logprobs(logits[:, :-1], batch["completion_ids"]) * batch["completion_mask"]).sum(1)
 
 
-def pair_batch(prompts, rows, tokenizer, max_length: int, device) -> dict:
+def pair_batch(prompts, rows, tokenizer, max_length: int, device, eos_ids: list[int] | None = None) -> dict:
     """Chosen (first B rows) then rejected (last B rows), each ending with EOS: one concatenated forward."""
-    completions = common.tokenize(tokenizer, [r["chosen"] for r in rows] + [r["rejected"] for r in rows], add_eos=True, max_length=max_length)
+    completions = common.tokenize(tokenizer, [r["chosen"] for r in rows] + [r["rejected"] for r in rows], add_eos=True, max_length=max_length,
+                                  eos_ids=eos_ids)
     return {k: v.to(device) for k, v in common.collate(prompts * 2, completions, tokenizer.pad_token_id).items()}
 
 
@@ -186,9 +202,9 @@ def sample_pairs(model, tokenizer, prompts, rows, k: int, temperature: float, ma
     pairs = []
     for i in tqdm(range(0, len(rows), batch_size), desc="sampling pairs", disable=not show_progress or None, leave=False):
         ids, mask = common.pad(prompts[i : i + batch_size], tokenizer.pad_token_id, "left")
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature, top_k=0,
-                             top_p=1.0, num_return_sequences=k, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
+        out = generate_exactly(model, ids.to(device), mask.to(device), do_sample=True, temperature=temperature, num_return_sequences=k,
+                               max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=common.eos_token_ids(tokenizer, model.generation_config))
         texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
         for j, row in enumerate(rows[i : i + batch_size]):
             right = [t for t in texts[j * k : (j + 1) * k] if common.is_correct(t, row["answer"])]
@@ -358,7 +374,7 @@ def main(args: Args):
         fail("models/sft not found: run `python sft.py` first (or pass --model)")
     try:
         path = args.model
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
         policy = load_model(checkpoint or path, args.trust_remote_code).to(device).train()
         # π_ref: the starting policy (also on resume), frozen, eval mode, never with gradients; bf16 on CUDA
         path = args.ref_model or args.model
@@ -368,6 +384,7 @@ def main(args: Args):
     if tokenizer.pad_token is None:  # masks come from lengths, so padding with EOS is safe
         tokenizer.pad_token = tokenizer.eos_token
         print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
+    eos_ids = common.eos_token_ids(tokenizer, policy.generation_config)  # completions end at the first of any
     ref.to(device).requires_grad_(False).eval()
     if device.type == "cuda" and args.bf16:
         ref.to(torch.bfloat16)
@@ -407,7 +424,7 @@ def main(args: Args):
     @torch.no_grad()
     def ref_logps(prompt_ids, rows) -> torch.Tensor:
         with autocast:
-            return sequence_logps(ref, pair_batch(prompt_ids, rows, tokenizer, args.max_length, device)).float()
+            return sequence_logps(ref, pair_batch(prompt_ids, rows, tokenizer, args.max_length, device, eos_ids)).float()
 
     # Reference log-probs: computed once per pair, the first time it is drawn, then reused every epoch.
     ref_cache = state["ref_cache"].to(device) if state else torch.full((len(train_rows), 2), float("nan"), device=device)
@@ -446,17 +463,16 @@ def main(args: Args):
         wins, correct, samples = [], [], []
         for i in range(0, len(eval_rows), n):
             rows = eval_rows[i : i + n]
-            batch = pair_batch(eval_prompts[i : i + n], rows, tokenizer, args.max_length, device)
+            batch = pair_batch(eval_prompts[i : i + n], rows, tokenizer, args.max_length, device, eos_ids)
             with autocast:
                 chosen, rejected = sequence_logps(policy, batch).float().chunk(2)
             wins += ((chosen - eval_ref[i : i + n, 0]) > (rejected - eval_ref[i : i + n, 1])).tolist()
             if has_answers:
                 P, B = batch["prompt_ids"].shape[1], len(rows)
                 with autocast:
-                    out = policy.generate(
-                        input_ids=batch["prompt_ids"][:B], attention_mask=batch["prompt_mask"][:B], max_new_tokens=args.max_new_tokens,
-                        do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                        synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
+                    out = generate_exactly(
+                        policy, batch["prompt_ids"][:B], batch["prompt_mask"][:B], synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: lockstep
+                        do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids,
                     )
                 texts = tokenizer.batch_decode(out[:, P:], skip_special_tokens=True)
                 correct += [common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)]
@@ -491,7 +507,7 @@ def main(args: Args):
             missing = [i for i in mine if ref_cache[i, 0].isnan()]
             if missing:
                 ref_cache[missing] = ref_logps([prompts[i] for i in missing], [train_rows[i] for i in missing]).view(2, -1).T
-            batch = pair_batch([prompts[i] for i in mine], [train_rows[i] for i in mine], tokenizer, args.max_length, device)
+            batch = pair_batch([prompts[i] for i in mine], [train_rows[i] for i in mine], tokenizer, args.max_length, device, eos_ids)
             with trained.no_sync() if isinstance(trained, DDP) and k < args.grad_accum_steps - 1 else contextlib.nullcontext():
                 with autocast:  # chosen and rejected in one concatenated forward pass
                     policy_chosen, policy_rejected = sequence_logps(trained, batch).chunk(2)

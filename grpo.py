@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
 import common
 
@@ -118,15 +118,16 @@ class Args:
 
 
 # ---------------------------------------------------------------- math
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log π(y_t | ·) of the given tokens: logits [B,T,V], tokens [B,T] → [B,T].
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log π(y_t | ·) of the given tokens at sampling temperature T: logits [B,T,V], tokens [B,T] → [B,T].
 
-    Equals logits.log_softmax(-1).gather(-1, tokens) but computed as gather − logsumexp in fp32, a few
-    rows at a time, so the full [B,T,V] fp32 log-softmax is never materialised."""
+    Equals (logits / T).log_softmax(-1).gather(-1, tokens) but computed as gather − logsumexp in fp32 (T
+    divides the fp32 logits, as sampling does: bf16 logits / T would be off by up to ~0.1 nats), a few rows
+    at a time, so the full [B,T,V] fp32 log-softmax is never materialised."""
     rows = max(1, 2**26 // max(1, logits.shape[1] * logits.shape[2]))
     out = []
     for lg, tk in zip(logits.split(rows), tokens.split(rows)):
-        lg = lg.float()
+        lg = lg.float() / temperature
         out.append(lg.gather(-1, tk.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, dim=-1))
     return torch.cat(out)
 
@@ -177,13 +178,49 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, clip_eps=0.2, beta=
 
 
 # ---------------------------------------------------------------- helpers
-def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, **kwargs):
+@torch.no_grad()
+def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
+    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
+    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
+    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
+    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
+    own = model.generation_config
+    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
+    try:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
+    finally:
+        model.generation_config = own
+
+
+def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs):
     """A model in fp32 (master weights) with every dropout probability in its config at 0."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)  # engineering detail 1: no dropout in any model
-    return cls.from_pretrained(path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
+    return cls.from_pretrained(path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True,
+                               output_loading_info=output_loading_info)
+
+
+def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
+    """r_ϕ and the tokenizer it reads: None when it is the policy's (the policy's token ids go in as they
+    are), else its own (completions are then decoded and re-tokenized). A model whose checkpoint has no
+    score head (e.g. a causal LM) would score with a random one: refused."""
+    model, info = load_model(path, trust_remote_code, AutoModelForSequenceClassification, output_loading_info=True, num_labels=1)
+    if "score.weight" in info["missing_keys"]:
+        fail(f"{path} is not a reward model: its checkpoint has no score head (score.weight), so it would score with random "
+             "weights; pass a sequence-classification model, e.g. one trained by reward_model.py")
+    try:
+        own = common.load_tokenizer(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        print(f"note: {path} has no tokenizer of its own; it reads the policy's token ids")
+        return model, None
+    if common.same_tokenizer(tokenizer, own):
+        return model, None
+    if own.pad_token is None:
+        own.pad_token = own.eos_token
+    print(f"note: the reward model {path} has its own tokenizer: completions are decoded and re-tokenized for it")
+    return model, own
 
 
 def forward_logps(model, input_ids, attention_mask, completion_ids, temperature: float) -> torch.Tensor:
@@ -192,34 +229,37 @@ def forward_logps(model, input_ids, attention_mask, completion_ids, temperature:
     T = completion_ids.shape[1]
     # only the last T + 1 positions' logits are computed: the prompt's own predictions are never needed
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1).logits
-    return token_logprobs(logits[:, :-1] / temperature, completion_ids)
+    return token_logprobs(logits[:, :-1], completion_ids, temperature)
 
 
-def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """1 up to and including the first EOS, 0 after: built from positions, so pad == EOS is harmless."""
-    is_eos = (completion_ids == eos_id).long()
+def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+    """1 up to and including the first EOS (any of eos_ids), 0 after: built from positions, so pad == EOS is harmless."""
+    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_ids, device=completion_ids.device)).long()
     return ((is_eos.cumsum(1) - is_eos) == 0).long()
 
 
 @torch.no_grad()
-def generate(model, prompt_ids, prompt_mask, tokenizer, args: Args, greedy: bool = False):
-    """Completions [B,T] (KV cache, left-padded prompts) and their mask; stops at EOS."""
-    out = model.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
-        # sample from π_θ/T itself: no top-k/top-p from the model's generation config
-        **(dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0)),
+def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, args: Args, greedy: bool = False):
+    """Completions [B,T] from π_θ/T exactly (KV cache, left-padded prompts), their mask, and whether each
+    ended with an EOS (any of eos_ids) rather than at the length limit."""
+    out = generate_exactly(
+        model, prompt_ids, prompt_mask, synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
+        max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids.tolist(),
+        **(dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)),
     )
     completion_ids = out[:, prompt_ids.shape[1] :]
-    mask = completion_mask(completion_ids, tokenizer.eos_token_id)
-    return completion_ids * mask + tokenizer.pad_token_id * (1 - mask), mask
+    mask = completion_mask(completion_ids, eos_ids)
+    ended = torch.isin(completion_ids, eos_ids).any(1)  # a row cut by the limit has no padding, so pad == EOS is harmless
+    return completion_ids * mask + tokenizer.pad_token_id * (1 - mask), mask, ended
 
 
 @torch.no_grad()
-def score(rows, texts, input_ids, attention_mask, ended, reward_model, args: Args) -> torch.Tensor:
-    """r_i [B]: answer correctness (+ format bonus), or the reward model's score at the last real token."""
+def score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokenizer, args: Args) -> torch.Tensor:
+    """r_i [B]: answer correctness (+ format bonus), or the reward model's score at the last real token
+    (of the policy's ids, or with rm_tokenizer, of the decoded texts re-tokenized its way)."""
     if reward_model is not None:
+        if rm_tokenizer is not None:
+            input_ids, attention_mask = (t.to(input_ids.device) for t in common.retokenize(rm_tokenizer, rows, texts, ended.tolist(), args.max_prompt_length))
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         hidden = getattr(reward_model, reward_model.base_model_prefix)(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
@@ -395,23 +435,24 @@ def main(args: Args):
     if args.model == "models/sft" and not os.path.isdir(args.model):
         fail("models/sft not found: run `python sft.py` first (or pass --model)")
     frozen_dtype = torch.bfloat16 if device.type == "cuda" and args.bf16 else torch.float32
-    ref, reward_model = None, None
+    ref, reward_model, rm_tokenizer = None, None, None
     try:
         path = args.model
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
         policy = load_model(checkpoint or path, args.trust_remote_code).to(device)
         if args.beta != 0:  # π_ref: the starting policy (also on resume), frozen; not needed when β = 0
             ref = load_model(path, args.trust_remote_code) if checkpoint else copy.deepcopy(policy)
             ref.to(device, frozen_dtype).requires_grad_(False).eval()
         if args.reward_model:
             path = args.reward_model
-            reward_model = load_model(path, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
+            reward_model, rm_tokenizer = load_reward_model(path, tokenizer, args.trust_remote_code)
             reward_model.to(device, frozen_dtype).requires_grad_(False).eval()
     except (OSError, ValueError) as e:
         fail(f"cannot load model {path!r}: {str(e).strip().splitlines()[0]}")
     if tokenizer.pad_token is None:  # masks come from positions, so padding with EOS is safe
         tokenizer.pad_token = tokenizer.eos_token
         print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
+    eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=device)  # every id that ends a completion
 
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -462,10 +503,9 @@ def main(args: Args):
             rows = eval_rows[i : i + 128]
             ids, mask = (t.to(device) for t in common.pad(eval_prompts[i : i + 128], tokenizer.pad_token_id, "left"))
             with autocast:
-                completion_ids, cmask = generate(policy, ids, mask, tokenizer, args, greedy=True)
+                completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
                 texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-                ended = (completion_ids == tokenizer.eos_token_id).any(1)
-                r = score(rows, texts, torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1), ended, reward_model, args)
+                r = score(rows, texts, torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1), ended, reward_model, rm_tokenizer, args)
             rewards += r.tolist()
             if all(x["answer"] is not None for x in rows):
                 correct += [common.is_correct(t, x["answer"]) for t, x in zip(texts, rows)]
@@ -499,17 +539,16 @@ def main(args: Args):
         t0 = time.time()
         policy.eval()
         with autocast:
-            completion_ids, mask = generate(policy, prompt_ids, prompt_mask, tokenizer, args)
+            completion_ids, mask, ended = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
         policy.train()
         gen_time = time.time() - t0
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
-        ended = (completion_ids == tokenizer.eos_token_id).any(1)
 
         # 2. rewards r_i and group-relative advantages Â_i
         rows = [train_rows[i] for i in idx for _ in range(G)]
         with autocast:
-            rewards = score(rows, texts, input_ids, attention_mask, ended, reward_model, args)
+            rewards = score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokenizer, args)
         advantages = group_advantages(rewards, G, scale=args.scale_rewards)
 
         # 3. reference (and, for μ > 1, old) log-probs: once per batch, without gradients

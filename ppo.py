@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
 import common
 
@@ -124,15 +124,16 @@ class Args:
 
 
 # ---------------------------------------------------------------- math
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log π(y_t | ·) of the given tokens: logits [B,T,V], tokens [B,T] → [B,T].
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log π(y_t | ·) of the given tokens at sampling temperature T: logits [B,T,V], tokens [B,T] → [B,T].
 
-    Equals logits.log_softmax(-1).gather(-1, tokens) but computed as gather − logsumexp in fp32, a few
-    rows at a time, so the full [B,T,V] fp32 log-softmax is never materialised."""
+    Equals (logits / T).log_softmax(-1).gather(-1, tokens) but computed as gather − logsumexp in fp32 (T
+    divides the fp32 logits, as sampling does: bf16 logits / T would be off by up to ~0.1 nats), a few rows
+    at a time, so the full [B,T,V] fp32 log-softmax is never materialised."""
     rows = max(1, 2**26 // max(1, logits.shape[1] * logits.shape[2]))
     out = []
     for lg, tk in zip(logits.split(rows), tokens.split(rows)):
-        lg = lg.float()
+        lg = lg.float() / temperature
         out.append(lg.gather(-1, tk.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, dim=-1))
     return torch.cat(out)
 
@@ -188,13 +189,49 @@ def ppo_value_loss(values, old_values, returns, mask, clip_eps=0.2):
 
 
 # ---------------------------------------------------------------- helpers
-def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, **kwargs):
+@torch.no_grad()
+def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
+    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
+    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
+    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
+    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
+    own = model.generation_config
+    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
+    try:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
+    finally:
+        model.generation_config = own
+
+
+def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs):
     """A model in fp32 (master weights) with every dropout probability in its config at 0."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)  # engineering detail 1: no dropout in any model
-    return cls.from_pretrained(path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
+    return cls.from_pretrained(path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True,
+                               output_loading_info=output_loading_info)
+
+
+def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
+    """r_ϕ and the tokenizer it reads: None when it is the policy's (the policy's token ids go in as they
+    are), else its own (completions are then decoded and re-tokenized). A model whose checkpoint has no
+    score head (e.g. a causal LM) would score with a random one: refused."""
+    model, info = load_model(path, trust_remote_code, AutoModelForSequenceClassification, output_loading_info=True, num_labels=1)
+    if "score.weight" in info["missing_keys"]:
+        fail(f"{path} is not a reward model: its checkpoint has no score head (score.weight), so it would score with random "
+             "weights; pass a sequence-classification model, e.g. one trained by reward_model.py")
+    try:
+        own = common.load_tokenizer(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        print(f"note: {path} has no tokenizer of its own; it reads the policy's token ids")
+        return model, None
+    if common.same_tokenizer(tokenizer, own):
+        return model, None
+    if own.pad_token is None:
+        own.pad_token = own.eos_token
+    print(f"note: the reward model {path} has its own tokenizer: completions are decoded and re-tokenized for it")
+    return model, own
 
 
 def position_ids(attention_mask):
@@ -205,7 +242,7 @@ def forward_logps(model, input_ids, attention_mask, T: int, temperature: float) 
     """log π(y_t) of the last T tokens [B,T] at the sampling temperature; logits at t predict t+1."""
     # only the last T + 1 positions' logits are computed: the prompt's own predictions are never needed
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), logits_to_keep=T + 1).logits
-    return token_logprobs(logits[:, :-1] / temperature, input_ids[:, -T:])
+    return token_logprobs(logits[:, :-1], input_ids[:, -T:], temperature)
 
 
 def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
@@ -220,29 +257,33 @@ def critic_values(critic, input_ids, attention_mask, T: int) -> torch.Tensor:
     return head_outputs(critic, input_ids, attention_mask)[:, -T - 1 : -1]
 
 
-def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """1 up to and including the first EOS, 0 after: built from positions, so pad == EOS is harmless."""
-    is_eos = (completion_ids == eos_id).long()
+def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+    """1 up to and including the first EOS (any of eos_ids), 0 after: built from positions, so pad == EOS is harmless."""
+    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_ids, device=completion_ids.device)).long()
     return ((is_eos.cumsum(1) - is_eos) == 0).long()
 
 
 @torch.no_grad()
-def generate(model, prompt_ids, prompt_mask, tokenizer, args: Args, greedy: bool = False):
-    """Completions [B,T] (KV cache, left-padded prompts), truncated after the first EOS, and their mask."""
-    out = model.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
-        **(dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0)),
+def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, args: Args, greedy: bool = False):
+    """Completions [B,T] from π_θ/T exactly (KV cache, left-padded prompts), their mask, and whether each
+    ended with an EOS (any of eos_ids) rather than at the length limit."""
+    out = generate_exactly(
+        model, prompt_ids, prompt_mask, synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
+        max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids.tolist(),
+        **(dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)),
     )
     completion_ids = out[:, prompt_ids.shape[1] :]
-    mask = completion_mask(completion_ids, tokenizer.eos_token_id)
-    return completion_ids * mask + tokenizer.pad_token_id * (1 - mask), mask
+    mask = completion_mask(completion_ids, eos_ids)
+    ended = torch.isin(completion_ids, eos_ids).any(1)  # a row cut by the limit has no padding, so pad == EOS is harmless
+    return completion_ids * mask + tokenizer.pad_token_id * (1 - mask), mask, ended
 
 
 @torch.no_grad()
-def reward_scores(reward_model, input_ids, attention_mask) -> torch.Tensor:
-    """r_ϕ(x, y) [B] at each row's last real token, minus reward_model.py's centring offset."""
+def reward_scores(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args: Args) -> torch.Tensor:
+    """r_ϕ(x, y) [B] at each row's last real token, minus reward_model.py's centring offset: of the policy's
+    ids, or with rm_tokenizer (another vocabulary), of the decoded texts re-tokenized its way."""
+    if rm_tokenizer is not None:
+        input_ids, attention_mask = (t.to(input_ids.device) for t in common.retokenize(rm_tokenizer, rows, texts, ended.tolist(), args.max_prompt_length))
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)
     scores = head_outputs(reward_model, input_ids, attention_mask)[torch.arange(len(last)), last]
     return scores - getattr(reward_model.config, "reward_offset", 0.0)
@@ -438,18 +479,24 @@ def main(args: Args):
     # On resume, policy and critic come from the checkpoint; π_ref and r_ϕ are always the starting ones.
     try:
         path = args.model
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
         ref = load_model(path, args.trust_remote_code).to(device, frozen_dtype).requires_grad_(False).eval()
         policy = load_model(checkpoint or path, args.trust_remote_code).to(device)
         path = args.reward_model
-        reward_model = load_model(path, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-        # V_ψ starts from r_ϕ: it already knows what scores well
-        critic = load_model(os.path.join(checkpoint, "critic"), args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1) if checkpoint else copy.deepcopy(reward_model)
+        reward_model, rm_tokenizer = load_reward_model(path, tokenizer, args.trust_remote_code)
+        if checkpoint:
+            critic = load_model(os.path.join(checkpoint, "critic"), args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
+        elif rm_tokenizer is None:  # V_ψ starts from r_ϕ: it already knows what scores well
+            critic = copy.deepcopy(reward_model)
+        else:  # V_ψ reads the policy's tokens, which r_ϕ cannot: the policy's weights with a new value head
+            critic = load_model(args.model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
+            print("note: the critic starts from the policy with a new value head (the reward model reads another vocabulary)")
     except (OSError, ValueError) as e:
         fail(f"cannot load model {path!r}: {str(e).strip().splitlines()[0]}")
     if tokenizer.pad_token is None:  # masks come from positions, so padding with EOS is safe
         tokenizer.pad_token = tokenizer.eos_token
         print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
+    eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=device)  # every id that ends a completion
     critic.to(device)
     reward_model.to(device, frozen_dtype).requires_grad_(False).eval()
     if args.gradient_checkpointing:
@@ -504,9 +551,9 @@ def main(args: Args):
             rows = eval_rows[i : i + 128]
             ids, mask = (t.to(device) for t in common.pad(eval_prompts[i : i + 128], tokenizer.pad_token_id, "left"))
             with autocast:
-                completion_ids, cmask = generate(policy, ids, mask, tokenizer, args, greedy=True)
-                s = reward_scores(reward_model, torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1))
-            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+                completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
+                texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+                s = reward_scores(reward_model, rm_tokenizer, torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1), rows, texts, ended, args)
             scores += s.tolist()
             if has_answers:
                 correct += [common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)]
@@ -538,7 +585,7 @@ def main(args: Args):
         t0 = time.time()
         policy.eval()
         with autocast:
-            completion_ids, mask = generate(policy, prompt_ids, prompt_mask, tokenizer, args)
+            completion_ids, mask, has_eos = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
         policy.train()
         gen_time = time.time() - t0
         input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
@@ -547,8 +594,8 @@ def main(args: Args):
             old_logps = forward_logps(policy, input_ids, attention_mask, T, args.temperature)
             ref_logps = forward_logps(ref, input_ids, attention_mask, T, args.temperature)
             old_values = critic_values(critic, input_ids, attention_mask, T)
-            scores = reward_scores(reward_model, input_ids, attention_mask)
-        has_eos = (completion_ids == tokenizer.eos_token_id).any(1)
+            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            scores = reward_scores(reward_model, rm_tokenizer, input_ids, attention_mask, [train_rows[i] for i in idx], texts, has_eos, args)
         scores = scores - args.missing_eos_penalty * (~has_eos).float()
 
         # 2. per-token rewards with the KL penalty, GAE advantages, whitened over the batch

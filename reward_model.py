@@ -33,7 +33,7 @@ import tyro
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
 import common
 
@@ -116,6 +116,20 @@ def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Ten
 
 
 # ---------------------------------------------------------------- helpers
+@torch.no_grad()
+def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
+    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
+    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
+    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
+    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
+    own = model.generation_config
+    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
+    try:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
+    finally:
+        model.generation_config = own
+
+
 def load_reward_model(path: str, trust_remote_code: bool):
     """A sequence-classification model with one output, fp32, every dropout probability at 0."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, num_labels=1)
@@ -136,9 +150,10 @@ def reward_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) 
     return model.score(hidden[torch.arange(len(last), device=hidden.device), last]).squeeze(-1).float()
 
 
-def pair_batch(prompts, rows, tokenizer, max_length: int, device) -> dict:
+def pair_batch(prompts, rows, tokenizer, max_length: int, device, eos_ids: list[int] | None = None) -> dict:
     """Chosen (first B rows) and rejected (last B rows) completions after their (tokenized) prompt, one batch."""
-    completions = common.tokenize(tokenizer, [r["chosen"] for r in rows] + [r["rejected"] for r in rows], add_eos=True, max_length=max_length)
+    completions = common.tokenize(tokenizer, [r["chosen"] for r in rows] + [r["rejected"] for r in rows], add_eos=True, max_length=max_length,
+                                  eos_ids=eos_ids)
     return {k: v.to(device) for k, v in common.collate(prompts * 2, completions, tokenizer.pad_token_id).items()}
 
 
@@ -149,9 +164,9 @@ def sample_pairs(model, tokenizer, prompts, rows, k: int, temperature: float, ma
     pairs = []
     for i in tqdm(range(0, len(rows), batch_size), desc="sampling pairs", disable=not show_progress or None, leave=False):
         ids, mask = common.pad(prompts[i : i + batch_size], tokenizer.pad_token_id, "left")
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature, top_k=0,
-                             top_p=1.0, num_return_sequences=k, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
+        out = generate_exactly(model, ids.to(device), mask.to(device), do_sample=True, temperature=temperature, num_return_sequences=k,
+                               max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=common.eos_token_ids(tokenizer, model.generation_config))
         texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
         for j, row in enumerate(rows[i : i + batch_size]):
             right = [t for t in texts[j * k : (j + 1) * k] if common.is_correct(t, row["answer"])]
@@ -331,7 +346,7 @@ def main(args: Args):
     if args.model == "models/sft" and not os.path.isdir(args.model):
         fail("models/sft not found: run `python sft.py` first (or pass --model)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        tokenizer = common.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
         model = load_reward_model(checkpoint or args.model, args.trust_remote_code).to(device).train()
     except (OSError, ValueError) as e:
         fail(f"cannot load model {checkpoint or args.model!r}: {str(e).strip().splitlines()[0]}")
@@ -339,6 +354,10 @@ def main(args: Args):
         tokenizer.pad_token = tokenizer.eos_token
         print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
     model.config.pad_token_id = tokenizer.pad_token_id
+    try:  # completions end at the first of any EOS id the starting model's generation_config lists (chat models: several)
+        eos_ids = common.eos_token_ids(tokenizer, GenerationConfig.from_pretrained(args.model))
+    except OSError:  # none saved
+        eos_ids = common.eos_token_ids(tokenizer)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = wrap(model, args)
@@ -415,7 +434,7 @@ def main(args: Args):
         model.eval()
         wins, margins = [], []
         for i in range(0, len(eval_rows), args.batch_size):  # never more memory than a training batch
-            batch = pair_batch(eval_prompts[i : i + args.batch_size], eval_rows[i : i + args.batch_size], tokenizer, args.max_length, device)
+            batch = pair_batch(eval_prompts[i : i + args.batch_size], eval_rows[i : i + args.batch_size], tokenizer, args.max_length, device, eos_ids)
             with autocast:
                 chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
             wins += (chosen > rejected).tolist()
@@ -444,7 +463,7 @@ def main(args: Args):
         for k in range(args.grad_accum_steps):
             mine = idx[(k * world + rank) * args.batch_size :][: args.batch_size]  # this process's share
             rows = [train_rows[i] for i in mine]
-            batch = pair_batch([prompts[i] for i in mine], rows, tokenizer, args.max_length, device)
+            batch = pair_batch([prompts[i] for i in mine], rows, tokenizer, args.max_length, device, eos_ids)
             with autocast:  # chosen and rejected in one forward pass
                 chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
             margin = torch.tensor([r["margin"] for r in rows], device=device) if "margin" in rows[0] else None
@@ -494,7 +513,7 @@ def main(args: Args):
         offset = torch.cat([
             reward_scores(model, b["input_ids"], b["attention_mask"]) for b in (
                 pair_batch([prompts[i] for i in sample[k : k + args.batch_size]], [train_rows[i] for i in sample[k : k + args.batch_size]],
-                           tokenizer, args.max_length, device)
+                           tokenizer, args.max_length, device, eos_ids)
                 for k in range(0, len(sample), args.batch_size))
         ]).mean().item()
     if getattr(model.score, "bias", None) is not None:

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
 import common
 
@@ -105,15 +105,16 @@ class Args:
 
 
 # ---------------------------------------------------------------- math
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log π(y_t | ·) of the given tokens: logits [B,T,V], tokens [B,T] → [B,T].
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log π(y_t | ·) of the given tokens at sampling temperature T: logits [B,T,V], tokens [B,T] → [B,T].
 
-    Equals logits.log_softmax(-1).gather(-1, tokens) but computed as gather − logsumexp in fp32, a few
-    rows at a time, so the full [B,T,V] fp32 log-softmax is never materialised."""
+    Equals (logits / T).log_softmax(-1).gather(-1, tokens) but computed as gather − logsumexp in fp32 (T
+    divides the fp32 logits, as sampling does: bf16 logits / T would be off by up to ~0.1 nats), a few rows
+    at a time, so the full [B,T,V] fp32 log-softmax is never materialised."""
     rows = max(1, 2**26 // max(1, logits.shape[1] * logits.shape[2]))
     out = []
     for lg, tk in zip(logits.split(rows), tokens.split(rows)):
-        lg = lg.float()
+        lg = lg.float() / temperature
         out.append(lg.gather(-1, tk.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, dim=-1))
     return torch.cat(out)
 
@@ -127,6 +128,20 @@ def sft_loss(logps: torch.Tensor, mask: torch.Tensor, num_tokens: float | None =
 
 
 # ---------------------------------------------------------------- helpers
+@torch.no_grad()
+def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
+    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
+    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
+    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
+    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
+    own = model.generation_config
+    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
+    try:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
+    finally:
+        model.generation_config = own
+
+
 def tiny_model(tokenizer, args: Args):
     """A from-scratch Qwen2-architecture model (RoPE, RMSNorm, SwiGLU, tied embeddings), dropout off."""
     config = Qwen2Config(
@@ -167,11 +182,11 @@ def forward_logps(model, batch: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, rows, args: Args, device, autocast) -> tuple[dict, list]:
+def evaluate(model, tokenizer, eos_ids: list[int], rows, args: Args, device, autocast) -> tuple[dict, list]:
     """Held-out loss, and greedy exact-match accuracy when the rows have answers; plus a few samples."""
     model.eval()
     prompts = common.tokenize(tokenizer, [r["prompt"] for r in rows], max_length=args.max_length, left_truncate=True)
-    completions = common.tokenize(tokenizer, [r["completion"] for r in rows], add_eos=True, max_length=args.max_length)
+    completions = common.tokenize(tokenizer, [r["completion"] for r in rows], add_eos=True, max_length=args.max_length, eos_ids=eos_ids)
     total_nll, total_tokens, correct, samples = 0.0, 0, 0, []
     has_answers = all(r.get("answer") is not None for r in rows)
     for i in range(0, len(rows), 64):
@@ -182,10 +197,9 @@ def evaluate(model, tokenizer, rows, args: Args, device, autocast) -> tuple[dict
         total_tokens += batch["completion_mask"].sum().item()
         if has_answers:
             with autocast:
-                out = model.generate(
-                    input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], max_new_tokens=args.max_new_tokens,
-                    do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                    synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
+                out = generate_exactly(
+                    model, batch["prompt_ids"], batch["prompt_mask"], synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: lockstep
+                    do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids,
                 )
             texts = tokenizer.batch_decode(out[:, batch["prompt_ids"].shape[1] :], skip_special_tokens=True)
             for row, text in zip(rows[i : i + 64], texts):
@@ -355,7 +369,7 @@ def main(args: Args):
     else:
         path = checkpoint or args.model
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+            tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
             model = load_model(path, args.trust_remote_code)
         except (OSError, ValueError) as e:
             fail(f"cannot load model {path!r}: {str(e).strip().splitlines()[0]}")
@@ -371,7 +385,8 @@ def main(args: Args):
     train_rows = common.load_rows(args.dataset, "train", "sft", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "sft", tokenizer, args.dataset_config)[: args.eval_size]
     prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
-    completions = common.tokenize(tokenizer, [r["completion"] for r in train_rows], add_eos=True, max_length=args.max_length)
+    eos_ids = common.eos_token_ids(tokenizer, model.generation_config)  # completions end at the first of any
+    completions = common.tokenize(tokenizer, [r["completion"] for r in train_rows], add_eos=True, max_length=args.max_length, eos_ids=eos_ids)
     print(f"data: {len(train_rows)} train rows, {len(eval_rows)} held-out rows from {args.dataset}")
     step_rows = args.batch_size * args.grad_accum_steps * world
     if len(train_rows) < step_rows:
@@ -404,7 +419,7 @@ def main(args: Args):
             wandb.log({**metrics, **table}, step=step)
 
     def run_eval(step: int):
-        metrics, samples = evaluate(model, tokenizer, eval_rows, args, device, autocast)
+        metrics, samples = evaluate(model, tokenizer, eos_ids, eval_rows, args, device, autocast)
         log(metrics, step, samples)
         for prompt, text, answer in samples[:3]:
             tqdm.write(f"  {prompt!r} → {text!r} (answer {answer})")

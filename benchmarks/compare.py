@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import transformers
 import tyro
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -81,7 +81,7 @@ def run(script: str, flags: list[str], cwd: Path) -> dict:
 def kl_to_reference(policy_dir: Path, ref_dir: Path, n: int = 500) -> float:
     """KL(π ‖ π_ref) per completion: Σ_t log π(y_t) − log π_ref(y_t) over completions sampled from π at
     temperature 1, averaged over the held-out prompts (a Monte Carlo estimate, the same for every method)."""
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    tokenizer = common.load_tokenizer(policy_dir)
     policy, ref = (AutoModelForCausalLM.from_pretrained(d).eval() for d in (policy_dir, ref_dir))
     prompts = common.tokenize(tokenizer, [r["prompt"] for r in common.arithmetic_rows("test", "prompt")[:n]])
     ids, mask = common.pad(prompts, tokenizer.pad_token_id, "left")

@@ -81,7 +81,7 @@ def grpo_step(policy, ref, optimizer, config, shape, args, autocast) -> dict:
     t = timer(device)
     policy.eval()
     with autocast:
-        completion_ids, mask = grpo.generate(policy, prompt_ids, prompt_mask, tokenizer, run_args)
+        completion_ids, mask, _ = grpo.generate(policy, prompt_ids, prompt_mask, tokenizer, torch.tensor([1], device=device), run_args)
     policy.train()
     times["generation"], t = timer(device) - t, timer(device)
     input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)

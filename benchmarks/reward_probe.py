@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import tyro
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
@@ -103,7 +103,7 @@ def best_of_n(policy, reward, tokenizer, rows: list[dict], n: int, temperature: 
 
 
 def main(args: Args):
-    tokenizer = AutoTokenizer.from_pretrained(args.policy)
+    tokenizer = common.load_tokenizer(args.policy)
     policy = AutoModelForCausalLM.from_pretrained(args.policy).eval()
     reward = AutoModelForSequenceClassification.from_pretrained(args.reward_model).eval()
     by_kind = pairwise_by_kind(reward, tokenizer, common.arithmetic_rows("test", "preference")[: args.eval_size])

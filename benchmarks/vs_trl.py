@@ -166,11 +166,11 @@ def ours_flags(method: str, args: Args, model: Path, data: dict, out: Path) -> l
 def trl_worker(args: Args):
     """One TRL training run with the hyperparameters of ours_flags; writes its step-end times and logs."""
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer
 
     transformers.utils.logging.set_verbosity_error()
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    tokenizer = common.load_tokenizer(args.model_dir)
     kind = "prompt" if args.worker == "grpo" else "preference"
     data = Dataset.from_list(common.load_raw(str(Path(args.out).parent.parent / f"{kind}.jsonl"), "train"))
     times = []

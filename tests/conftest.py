@@ -50,3 +50,79 @@ def reward_run(sft_run, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("reward")
     out = run_script("reward_model.py", "--model", str(sft_dir), *RM_TEST_ARGS, "--run-name", "session", cwd=cwd).stdout
     return cwd, cwd / "models" / "reward", read_metrics(cwd, "session"), out
+
+
+# ---------------------------------------------------------------- hub-like models, built offline
+CHATML = (  # Qwen's ChatML template, without its default system message
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# what hub chat models ship in generation_config.json (Qwen2.5-Instruct's sampling settings)
+CHAT_GENERATION = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
+
+
+def chat_corpus() -> list[str]:
+    """Text like the test data: sums in words and digits, GSM8K-style questions, ChatML turns."""
+    lines = []
+    for a in range(0, 200, 3):
+        b = (a * 7) % 97
+        lines += [f"What is {a}+{b}? {a}+{b}={a + b}", f"Tom has {a} apples and buys {b} more. How many now?\n#### {a + b}",
+                  f"<|im_start|>user\nAdd {a} and {b}.<|im_end|>\n<|im_start|>assistant\nThe sum is {a + b}.<|im_end|>\n"]
+    return lines
+
+
+def build_chat_model(path: Path):
+    """A hub-like chat model directory: a small Qwen2 model (random weights), a byte-level BPE tokenizer
+    trained on generated text with ChatML tokens (`<|im_end|>` the EOS, `<|endoftext|>` the pad), a ChatML
+    chat template, and a generation_config.json with sampling settings and two EOS ids, as Qwen ships them."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(chat_corpus(), trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=endoftext,
+                         eos_token_id=im_end, pad_token_id=endoftext)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(**CHAT_GENERATION, bos_token_id=endoftext, eos_token_id=[im_end, endoftext],
+                                               pad_token_id=endoftext)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_char_reward_model(path: Path):
+    """A reward model (sequence classification, one output) with ANOTHER tokenizer than the chat model's:
+    the character tokenizer, with a chat template of its own."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    import common
+
+    tokenizer = common.build_char_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    Qwen2ForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory) -> Path:
+    return build_chat_model(tmp_path_factory.mktemp("hub") / "chat-model")
+
+
+@pytest.fixture(scope="session")
+def char_reward_model(tmp_path_factory) -> Path:
+    return build_char_reward_model(tmp_path_factory.mktemp("hub") / "char-reward-model")

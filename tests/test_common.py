@@ -157,15 +157,15 @@ def test_sft_conversational(tmp_path, chat_tokenizer):
 
 def test_prompt_rows(tmp_path, chat_tokenizer):
     rows = common.load_rows(write(tmp_path / "p.jsonl", [{"prompt": "1+1=", "answer": 2}] * 3), "train", "prompt")
-    assert rows[0] == {"prompt": "1+1=", "answer": "2"}
+    assert rows[0] == {"prompt": "1+1=", "answer": "2", "messages": None}
     msgs = [{"role": "user", "content": "hi"}]
     rows = common.load_rows(write(tmp_path / "pm.jsonl", [{"prompt": msgs}] * 3), "train", "prompt", chat_tokenizer)
-    assert rows[0] == {"prompt": "<user>hi\n<assistant>", "answer": None}
+    assert rows[0] == {"prompt": "<user>hi\n<assistant>", "answer": None, "messages": msgs}  # kept for other tokenizers
     gsm = [{"question": "How many?", "answer": "so\n#### 42"}] * 3
     plain = common.load_rows(write(tmp_path / "g.jsonl", gsm), "train", "prompt", common.build_char_tokenizer())[0]
-    assert plain == {"prompt": "How many?\n", "answer": "42"}
+    assert plain == {"prompt": "How many?\n", "answer": "42", "messages": None}
     chat = common.load_rows(str(tmp_path / "g.jsonl"), "train", "prompt", chat_tokenizer)[0]
-    assert chat == {"prompt": "<user>How many?\n<assistant>", "answer": "42"}
+    assert chat == {"prompt": "<user>How many?\n<assistant>", "answer": "42", "messages": [{"role": "user", "content": "How many?"}]}
 
 
 def test_preference_explicit_and_implicit_prompt(tmp_path):

@@ -110,7 +110,7 @@ def test_mu_one_ratio_is_exactly_one():
 def test_completion_mask_ends_at_first_eos_even_when_pad_is_eos():
     eos = 1
     ids = torch.tensor([[5, 6, eos, eos, eos], [5, eos, 7, eos, eos], [5, 6, 7, 8, 9]])
-    assert grpo.completion_mask(ids, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert grpo.completion_mask(ids, torch.tensor([eos])).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
 
 
 def test_generation_logprobs_match_forward_pass():
@@ -125,7 +125,7 @@ def test_generation_logprobs_match_forward_pass():
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, return_dict_in_generate=True, output_logits=True,
     )
     completion = out.sequences[:, ids.shape[1]:]
-    cmask = grpo.completion_mask(completion, tok.eos_token_id)
+    cmask = grpo.completion_mask(completion, torch.tensor([tok.eos_token_id]))
     gen_logps = grpo.token_logprobs(torch.stack(out.logits, 1) / 0.7, completion)
     with torch.no_grad():
         fwd = grpo.forward_logps(model, torch.cat([ids, completion], 1), torch.cat([mask, cmask], 1), completion, 0.7)
@@ -184,6 +184,6 @@ def test_reward_function_error_names_the_completion(monkeypatch, capsys):
     monkeypatch.setattr(common, "is_correct", broken)
     ids = torch.tensor([[5, 6]])
     with pytest.raises(SystemExit) as exit:
-        grpo.score([{"prompt": "1+1=", "answer": "2"}], ["42"], ids, torch.ones_like(ids), torch.tensor([True]), None, grpo.Args())
+        grpo.score([{"prompt": "1+1=", "answer": "2"}], ["42"], ids, torch.ones_like(ids), torch.tensor([True]), None, None, grpo.Args())
     assert exit.value.code == 2  # a user error: one line, no traceback
     assert re.search(r"^error: the reward function failed on completion '42' \(prompt '1\+1='\).*ZeroDivisionError", capsys.readouterr().err)

@@ -1,0 +1,32 @@
+"""Each method script stands alone, so helpers are copied between them on purpose; the copies that do the
+same thing must stay textually identical, so that a fix in one is a fix in all."""
+
+import importlib
+import inspect
+
+import pytest
+
+ALL = ["sft", "reward_model", "dpo", "grpo", "ppo"]
+COPIES = {
+    "token_logprobs": ["sft", "dpo", "grpo", "ppo"],
+    "generate_exactly": ALL,  # sampling exactly from softmax(logits / T), whatever the model's generation_config says
+    "completion_mask": ["grpo", "ppo"],
+    "generate": ["grpo", "ppo"],
+    "load_model": ["grpo", "ppo"],
+    "load_reward_model": ["grpo", "ppo"],
+    "init_distributed": ALL,
+    "mean_over_processes": ALL,
+    "save_model": ALL,
+    "fail": ALL,
+    "checkpoints": ALL,
+    "load_checkpoint": ALL,
+    "restore_rng": ALL,
+    "open_metrics": ALL,
+}
+
+
+@pytest.mark.parametrize("name", sorted(COPIES))
+def test_copies_are_identical(name):
+    sources = {script: inspect.getsource(getattr(importlib.import_module(script), name)) for script in COPIES[name]}
+    first = sources[COPIES[name][0]]
+    assert all(source == first for source in sources.values()), f"{name} differs between {', '.join(COPIES[name])}"
