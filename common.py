@@ -154,16 +154,17 @@ def _common_prefix(a, b):
     return a[:n]
 
 
-def _reason(e: BaseException) -> str:
+def error_reason(e: BaseException) -> str:
     """The first line of the innermost cause of an exception (the library's own wrapper says little)."""
     while e.__cause__ or e.__context__:
         e = e.__cause__ or e.__context__
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
-def load_raw(dataset: str, split: str, config: str | None = None) -> list[dict]:
-    """Rows of a hub dataset or local .jsonl/.json/.parquet file. Without a `test` split the last 10%
-    (at most 500 rows) of `train` are held out, the same rows every time."""
+def load_raw(dataset: str, split: str, config: str | None = None) -> tuple[list[dict], int]:
+    """Rows of a hub dataset or local .jsonl/.json/.parquet file, and the number of the first one in its
+    split or file (for messages). Without a `test` split the last 10% (at most 500 rows) of `train` are held
+    out, the same rows every time."""
     import datasets
 
     ext = os.path.splitext(dataset)[1].lower()
@@ -175,19 +176,19 @@ def load_raw(dataset: str, split: str, config: str | None = None) -> list[dict]:
         try:
             ds = datasets.load_dataset("parquet" if ext == ".parquet" else "json", data_files=dataset)
         except Exception as e:  # malformed file: say which and why, in one line
-            raise DataError(f"cannot read dataset file {dataset}: {_reason(e)}") from None
+            raise DataError(f"cannot read dataset file {dataset}: {error_reason(e)}") from None
     else:
         if config is None and dataset == "openai/gsm8k":
             config = "main"
         try:
             ds = datasets.load_dataset(dataset, config)
         except Exception as e:
-            raise DataError(f"cannot load dataset '{dataset}': {_reason(e)}") from None
+            raise DataError(f"cannot load dataset '{dataset}': {error_reason(e)}") from None
     if "test" in ds:
-        return ds[split].to_list()
+        return ds[split].to_list(), 1
     rows = (ds["train"] if "train" in ds else ds[next(iter(ds))]).to_list()
     n_train = len(rows) - (min(500, len(rows) // 10) if len(rows) >= 10 else 0)
-    return rows[n_train:] if split == "test" else rows[:n_train]
+    return (rows[n_train:], n_train + 1) if split == "test" else (rows[:n_train], 1)
 
 
 def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str | None = None) -> list[dict]:
@@ -197,7 +198,7 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
     assert kind in FORMATS, kind
     if dataset == "arithmetic":
         return arithmetic_rows(split, kind)
-    raw = load_raw(dataset, split, config)
+    raw, first = load_raw(dataset, split, config)
     if not raw:
         raise DataError(f"dataset '{dataset}' has no rows in its {split} split")
     columns = list(raw[0])
@@ -211,43 +212,51 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
                 )
 
     out = []
-    for row in raw:
+    for number, row in enumerate(raw, first):
+
+        def text(name):  # every row is checked here, before any training: a null cell is named, not met mid-run
+            value = row[name]
+            if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(m, dict) for m in value)):
+                return value
+            what = "empty (null)" if value is None else f"a {type(value).__name__} ({value!r:.40})"
+            raise DataError(f"dataset '{dataset}', row {number} ({split} split): column '{name}' is {what}, not text or messages")
+
         if kind == "sft":
             answer = None
             if "messages" in columns:
-                msgs = row["messages"]
+                msgs = text("messages")
                 prompt, completion = _split_chat(tokenizer, msgs[:-1], msgs[-1:])
             elif "question" in columns and "answer" in columns and "prompt" not in columns:  # GSM8K
-                prompt, completion = row["question"] + "\n", row["answer"]
-                answer = extract_gsm8k_answer(row["answer"])
+                prompt, completion = text("question") + "\n", text("answer")
+                answer = extract_gsm8k_answer(completion)
             elif "text" in columns and "completion" not in columns:
-                prompt, completion = "", row["text"]
+                prompt, completion = "", text("text")
             else:
                 need("prompt", "completion")
-                prompt, completion = row["prompt"], row["completion"]
+                prompt, completion = text("prompt"), text("completion")
                 if is_conversational(prompt):
                     prompt, completion = _split_chat(tokenizer, prompt, completion)
             out.append({"prompt": prompt, "completion": completion, "answer": answer})
         elif kind == "prompt":
             if "question" in columns and "answer" in columns and "prompt" not in columns:
-                question = row["question"]  # GSM8K
+                question = text("question")  # GSM8K
                 prompt = [{"role": "user", "content": question}] if getattr(tokenizer, "chat_template", None) else question + "\n"
-                answer = extract_gsm8k_answer(row["answer"])
+                answer = extract_gsm8k_answer(text("answer"))
             elif "messages" in columns and "prompt" not in columns:
-                msgs = row["messages"]
+                msgs = text("messages")
                 prompt, answer = msgs[:-1] if msgs[-1]["role"] == "assistant" else msgs, row.get("answer")
             else:
                 need("prompt")
-                prompt, answer = row["prompt"], row.get("answer")
+                prompt, answer = text("prompt"), row.get("answer")
             messages = prompt if is_conversational(prompt) else None  # kept: a reward model may render them its own way
             if messages:
                 prompt = render_chat(tokenizer, messages, add_generation_prompt=True)
             out.append({"prompt": prompt, "answer": None if answer is None else str(answer), "messages": messages})
         else:
             need("chosen", "rejected")
-            chosen, rejected = row["chosen"], row["rejected"]
+            chosen, rejected = text("chosen"), text("rejected")
             if "prompt" in columns:
-                prompt = row["prompt"]
+                prompt = text("prompt")
             else:  # implicit prompt: what chosen and rejected share (characters, or whole messages)
                 prompt = _common_prefix(chosen, rejected)
                 chosen, rejected = chosen[len(prompt):], rejected[len(prompt):]
@@ -256,6 +265,8 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
                 prompt, chosen = _split_chat(tokenizer, prompt, chosen)
             pref = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
             if "margin" in columns:
+                if not isinstance(row["margin"], (int, float)) or isinstance(row["margin"], bool):
+                    raise DataError(f"dataset '{dataset}', row {number} ({split} split): column 'margin' is {row['margin']!r}, not a number")
                 pref["margin"] = float(row["margin"])
             out.append(pref)
     return out

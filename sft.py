@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
+from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -271,13 +272,106 @@ def fail(message: str):
     sys.exit(2)
 
 
+def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
+    """Each named flag must be a finite number > 0 (positive) or ≥ 0 (non_negative); else one error line."""
+    for names, bound in ((positive, "positive"), (non_negative, "0 or positive")):
+        for name in names:
+            value = getattr(args, name)
+            if not math.isfinite(value) or value < 0 or (value == 0 and bound == "positive"):
+                fail(f"--{name.replace('_', '-')} must be {bound} (got {value})")
+
+
+def probe_writable(directory: str):
+    """Creates `directory` and writes and removes a small file in it, so that an unwritable --output-dir
+    stops the run before any work instead of at the first save."""
+    if os.path.isfile(directory):
+        fail(f"cannot write to {directory}: it is a file, not a directory")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        fail(f"cannot write to {directory}: {e.strerror or e}")
+
+
+def load_failure(path: str, e: Exception) -> str:
+    """One sentence on why a model, tokenizer or checkpoint at `path` cannot be loaded, naming the file at fault."""
+    if not os.path.exists(path):
+        if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a hub id is `owner/name`
+            return f"cannot load model {path!r}: no such file or directory"
+        return f"cannot load model {path!r} from the hub: {common.error_reason(e)}"
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        return f"cannot load model {path!r}: it is not a model directory (no config.json)"
+    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+        file = os.path.join(path, name)
+        try:  # which file is cut short or corrupt?
+            if name.endswith(".safetensors"):
+                with safe_open(file, "pt"):
+                    pass
+            elif name.endswith(".json"):
+                with open(file) as f:
+                    json.load(f)
+        except Exception as bad:
+            return f"cannot load model {path!r}: {file} is corrupt or cut short ({common.error_reason(bad)})"
+    return f"cannot load model {path!r}: {common.error_reason(e)}"
+
+
+def write_failed(path: str, e: Exception, output_dir: str):
+    """A write that failed (disk full, permissions): its partial directory is removed and the run stops with
+    one line naming the last complete checkpoint; files written before are untouched."""
+    shutil.rmtree(path, ignore_errors=True)
+    last = (checkpoints(output_dir) or ["none"])[-1]
+    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
+             f"last complete checkpoint: {last}")
+
+
+def save_final_model(model, tokenizer, args: Args):
+    """The trained model in output_dir, written like a checkpoint: to output_dir/final.tmp, then moved over
+    the previous model's files, so a failed write (disk full) leaves the previous model whole."""
+    tmp = os.path.join(args.output_dir, "final.tmp")
+    main_process = not dist.is_initialized() or dist.get_rank() == 0
+    try:
+        if main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        save_model(model, tokenizer, tmp, args)
+        if main_process:
+            new = os.listdir(tmp)
+            for name in set(os.listdir(args.output_dir)) - set(new):  # the previous model's files that the new one lacks
+                if os.path.isfile(os.path.join(args.output_dir, name)):
+                    os.remove(os.path.join(args.output_dir, name))
+            for name in new:
+                os.replace(os.path.join(tmp, name), os.path.join(args.output_dir, name))
+            os.rmdir(tmp)
+    except Exception as e:
+        write_failed(tmp, e, args.output_dir)
+
+
+def on_stop_signal(stop: list | None):
+    """SIGINT/SIGTERM. During set-up (`stop` None): exit 0 at once, there is nothing to save yet. During
+    training: the signal's name goes into `stop`, the step finishes, a checkpoint is saved and the run exits 0;
+    a second signal stops at once."""
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if stop is None:
+            print(f"stopped by {name} during set-up; nothing to save")
+            sys.exit(0)
+        stop.append(name)
+        signal.signal(signum, signal.SIG_DFL)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
 def check_args(args: Args):
     """Invalid flag values stop the run at once, before any model is loaded."""
-    for name in ["steps", "batch_size", "lr", "warmup_steps", "eval_every", "eval_size", "max_length", "max_new_tokens", "keep_checkpoints"]:
-        if getattr(args, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
-    if args.save_every < 0:
-        fail(f"--save-every must be 0 (off) or positive (got {args.save_every})")
+    check_ranges(args, ["steps", "batch_size", "grad_accum_steps", "lr", "warmup_steps", "max_grad_norm", "max_length", "eval_every",
+                        "eval_size", "max_new_tokens", "hidden_size", "num_layers", "num_heads", "keep_checkpoints"],
+                 ["weight_decay", "seed", "save_every"])
+    if args.hidden_size % args.num_heads:
+        fail(f"--hidden-size ({args.hidden_size}) must be divisible by --num-heads ({args.num_heads})")
 
 
 def checkpoints(output_dir: str) -> list[str]:
@@ -294,9 +388,12 @@ def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: d
     the previous checkpoint whole."""
     path = os.path.join(args.output_dir, f"checkpoint-{step}")
     main_process = not dist.is_initialized() or dist.get_rank() == 0
-    if main_process:
-        shutil.rmtree(path + ".tmp", ignore_errors=True)
-    save_model(model, tokenizer, path + ".tmp", args)
+    try:
+        if main_process:
+            shutil.rmtree(path + ".tmp", ignore_errors=True)
+        save_model(model, tokenizer, path + ".tmp", args)
+    except Exception as e:  # disk full, permissions: one line, the previous checkpoint stays whole
+        write_failed(path + ".tmp", e, args.output_dir)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE)  # by parameter name, unsharded
     np_rng = np.random.get_state()
     rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -306,9 +403,13 @@ def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: d
         rngs = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, rng)
     if main_process:
-        torch.save({**state, "optimizer": optimizer_state, "step": step, "args": asdict(args), "rng": rngs}, os.path.join(path + ".tmp", "trainer_state.pt"))
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(path + ".tmp", path)
+        try:
+            torch.save({**state, "optimizer": optimizer_state, "step": step, "args": asdict(args), "rng": rngs,
+                        "script": os.path.basename(__file__)}, os.path.join(path + ".tmp", "trainer_state.pt"))
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(path + ".tmp", path)
+        except Exception as e:
+            write_failed(path + ".tmp", e, args.output_dir)
         for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
             shutil.rmtree(old)
     if dist.is_initialized():
@@ -316,8 +417,15 @@ def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: d
     return path
 
 
+# flags that only steer a run: they may change when it is resumed; every other flag defines the run
+CAN_CHANGE_ON_RESUME = {"steps", "resume", "output_dir", "save_every", "keep_checkpoints", "eval_every", "track", "wandb_project",
+                        "wandb_entity", "run_name", "skip_nonfinite", "gradient_checkpointing", "fsdp", "trust_remote_code"}
+
+
 def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
-    """--resume: the given checkpoint directory, or `latest` in output_dir (none yet: start afresh)."""
+    """--resume: the given checkpoint directory, or `latest` in output_dir (none yet: start afresh). The flags
+    that define the run are taken from the checkpoint (a different value given on the command line stops
+    the run); a run that already reached --steps stops here, changing nothing."""
     path = args.resume
     if path == "latest":
         path = (checkpoints(args.output_dir) or [None])[-1]
@@ -327,7 +435,29 @@ def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
         return None, None
     if not os.path.isfile(os.path.join(path, "trainer_state.pt")):
         fail(f"--resume {path}: not a checkpoint directory (no trainer_state.pt)")
-    return path, torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+    try:
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+    except Exception as e:
+        fail(f"--resume {path}: {os.path.join(path, 'trainer_state.pt')} is corrupt or cut short ({common.error_reason(e)})")
+    script = os.path.basename(__file__)
+    written_by = state.get("script") or (script if set(state["args"]) == set(asdict(args)) else "another script")
+    if written_by != script:
+        fail(f"--resume {path}: that checkpoint was written by {written_by}, not {script}")
+    defaults, typed = Args(), {a.split("=")[0] for a in sys.argv[1:]}
+    for name, saved in state["args"].items():
+        value, flag = getattr(args, name, saved), "--" + name.replace("_", "-")
+        if value == saved:
+            continue
+        if value == getattr(defaults, name) and not {flag, flag.replace("--", "--no-")} & typed:  # not given: the run's own value
+            setattr(args, name, saved)
+        elif name not in CAN_CHANGE_ON_RESUME:
+            fail(f"{flag} {value} differs from the {saved} that {path} was run with; resume with the same value, or start a new run")
+    if args.steps != state["args"]["steps"]:
+        print(f"note: --steps {args.steps}: the run (begun with --steps {state['args']['steps']}) goes on to step {args.steps}")
+    if state["step"] >= args.steps:
+        print(f"{path} is at step {state['step']}: the run already reached --steps {args.steps}; nothing to do (its model is in {path})")
+        sys.exit(0)
+    return path, state
 
 
 def restore_rng(rng: dict):
@@ -342,7 +472,7 @@ def restore_rng(rng: dict):
 def open_metrics(run_name: str, resumed_step: int | None):
     """runs/<run_name>/metrics.jsonl for appending; on resume, rows logged after the checkpoint are dropped."""
     path = f"runs/{run_name}/metrics.jsonl"
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    probe_writable(os.path.dirname(path))
     if resumed_step is not None and os.path.exists(path):
         rows = [line for line in open(path).read().splitlines() if line.endswith("}")]  # not a row cut short
         with open(path, "w") as f:
@@ -351,7 +481,9 @@ def open_metrics(run_name: str, resumed_step: int | None):
 
 
 def main(args: Args):
+    on_stop_signal(None)  # a signal during set-up exits at once: nothing to save yet
     check_args(args)
+    probe_writable(args.output_dir)
     t_start = time.time()  # every metrics row carries the wall time since here
     checkpoint, state = load_checkpoint(args)
     run_name = state["run_name"] if state else args.run_name or f"sft__{args.seed}__{int(time.time())}"
@@ -371,8 +503,8 @@ def main(args: Args):
         try:
             tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
             model = load_model(path, args.trust_remote_code)
-        except (OSError, ValueError) as e:
-            fail(f"cannot load model {path!r}: {str(e).strip().splitlines()[0]}")
+        except Exception as e:
+            fail(load_failure(path, e))
         if tokenizer.pad_token is None:  # masks come from lengths, so padding with EOS is safe
             tokenizer.pad_token = tokenizer.eos_token
             print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
@@ -434,9 +566,8 @@ def main(args: Args):
         next(batches)
     if state:
         restore_rng(state["rng"][rank])
-    stop = []  # SIGINT/SIGTERM: finish the step, save a checkpoint, exit 0; a second signal stops at once
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _: (stop.append(signal.Signals(signum).name), signal.signal(signum, signal.SIG_DFL)))
+    stop = []  # from here on a signal finishes the step, saves a checkpoint and exits 0
+    on_stop_signal(stop)
     progress = tqdm(range(first_step, args.steps + 1), desc="sft", dynamic_ncols=True, disable=rank > 0 or None)
     for step in progress:
         idx = next(batches)
@@ -478,7 +609,7 @@ def main(args: Args):
             print(f"stopped by {(stop or ['a signal to another process'])[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
             sys.exit(0)
 
-    save_model(model, tokenizer, args.output_dir, args)
+    save_final_model(model, tokenizer, args)
     print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
     if rank == 0:
         metrics_file.close()

@@ -172,7 +172,7 @@ def trl_worker(args: Args):
     transformers.utils.logging.set_verbosity_error()
     tokenizer = common.load_tokenizer(args.model_dir)
     kind = "prompt" if args.worker == "grpo" else "preference"
-    data = Dataset.from_list(common.load_raw(str(Path(args.out).parent.parent / f"{kind}.jsonl"), "train"))
+    data = Dataset.from_list(common.load_raw(str(Path(args.out).parent.parent / f"{kind}.jsonl"), "train")[0])
     times = []
 
     class StepTimes(TrainerCallback):

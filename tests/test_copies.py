@@ -22,6 +22,12 @@ COPIES = {
     "load_checkpoint": ALL,
     "restore_rng": ALL,
     "open_metrics": ALL,
+    "check_ranges": ALL,
+    "probe_writable": ALL,
+    "load_failure": ALL,
+    "write_failed": ALL,
+    "save_final_model": ALL,
+    "on_stop_signal": ALL,
 }
 
 

@@ -169,7 +169,7 @@ ERRORS = [  # script, flags, what the one line must say; run in an empty directo
     ("grpo.py", ["--group-size", "1"], "--group-size must be at least 2"),  # before looking for models/sft
     ("ppo.py", ["--num-mini-batches", "3"], "must be divisible by --num-mini-batches"),
     ("dpo.py", ["--label-smoothing", "0.7"], "--label-smoothing must be in [0, 0.5)"),
-    ("reward_model.py", ["--save-every", "-1"], "--save-every must be 0 (off) or positive"),
+    ("reward_model.py", ["--save-every", "-1"], "--save-every must be 0 or positive"),
     ("sft.py", ["--model", "no-such-org/no-such-model"], "cannot load model 'no-such-org/no-such-model'"),
     ("dpo.py", ["--model", "{bad}/no_such_dir"], "cannot load model"),
     ("grpo.py", [], "models/sft not found: run `python sft.py` first"),
