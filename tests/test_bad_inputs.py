@@ -3,6 +3,7 @@ before any training with ONE `error:` line (no traceback), and leaves what exist
 failed writes (disk full) name the last complete checkpoint and keep the previous files whole."""
 
 import hashlib
+import json
 import importlib
 import os
 import shutil
@@ -43,6 +44,12 @@ def made(tmp_path_factory):
     (d / "a_file").write_text("I am a file")
     (d / "null_sft.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "1+2=", "completion": null}\n')
     (d / "null_dpo.jsonl").write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n' * 20 + '{"prompt": "1+1=", "chosen": "2", "rejected": null}\n')
+    (d / "empty.jsonl").write_text("")
+    (d / "garbage.jsonl").write_text("this is not json {\n")
+    (d / "sft_rows.jsonl").write_text(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
+    (d / "long.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(100, 120)))
+    shutil.copytree(d / "sft", d / "bad_tokenizer", ignore=shutil.ignore_patterns("checkpoint-*"))
+    (d / "bad_tokenizer" / "tokenizer.json").write_text("{ cut short")
     (d / "null_gsm8k.jsonl").write_text('{"question": "How many?", "answer": "#### 4"}\n{"question": "And now?", "answer": null}\n')
     return d
 
@@ -61,6 +68,12 @@ FLAG_CASES = [  # script, flags, what the one line says: checked before anything
     ("grpo.py", ["--lr", "nan"], "--lr must be positive"),
     ("sft.py", ["--seed", "-1"], "--seed must be 0 or positive"),
     ("sft.py", ["--hidden-size", "100", "--num-heads", "8"], "must be divisible by --num-heads"),
+    ("sft.py", ["--steps", "0"], "--steps must be positive"),
+    ("grpo.py", ["--group-size", "1"], "--group-size must be at least 2"),
+    ("ppo.py", ["--num-mini-batches", "3"], "must be divisible by --num-mini-batches"),
+    ("dpo.py", ["--label-smoothing", "0.7"], "--label-smoothing must be in [0, 0.5)"),
+    ("reward_model.py", ["--save-every", "-1"], "--save-every must be 0 or positive"),
+    ("reward_model.py", ["--sample-pairs", "1"], "--sample-pairs must be 0 (the fixed pairs) or at least 2"),
 ]
 
 
@@ -92,6 +105,17 @@ CASES = [  # script, flags ({d}: the fixture's directory), what the one line say
     ("sft.py", ["--resume", "{d}/sft/checkpoint-2", "--lr", "5e-4"], "--lr 0.0005 differs from the 0.001"),
     ("sft.py", ["--resume", "{d}/sft/checkpoint-2", "--batch-size", "16"], "--batch-size 16 differs from the 8"),
     ("sft.py", ["--resume", "{d}/sft/checkpoint-2", "--seed", "2"], "--seed 2 differs from the 1"),
+    ("sft.py", ["--model", "{d}/bad_tokenizer"], "bad_tokenizer/tokenizer.json is corrupt or cut short"),
+    ("sft.py", ["--model", "no-such-org/no-such-model"], "cannot load model 'no-such-org/no-such-model' from the hub"),
+    ("grpo.py", [], "models/sft not found: run `python sft.py` first"),
+    ("ppo.py", ["--model", "{d}/sft"], "models/reward not found: run `python reward_model.py` first"),
+    ("ppo.py", ["--model", "{d}/sft", "--reward-model", "{d}/missing_rm"], "cannot load model"),
+    ("sft.py", ["--dataset", "{d}/missing.jsonl"], "dataset file not found"),
+    ("reward_model.py", ["--model", "{d}/sft", "--dataset", "{d}/empty.jsonl"], "is empty"),
+    ("sft.py", ["--dataset", "{d}/garbage.jsonl"], "cannot read dataset file"),
+    ("dpo.py", ["--model", "{d}/sft", "--dataset", "{d}/sft_rows.jsonl"], "has no column 'chosen'"),
+    ("grpo.py", ["--model", "{d}/sft", "--dataset", "{d}/long.jsonl", "--max-prompt-length", "4"], "every prompt is longer than the limit of 4"),
+    ("sft.py", ["--resume", "{d}/not_a_model"], "not a checkpoint directory"),
     ("sft.py", ["--dataset", "{d}/null_sft.jsonl"], "row 2 (train split): column 'completion' is empty (null)"),
     ("dpo.py", ["--model", "{d}/sft", "--dataset", "{d}/null_dpo.jsonl"], "row 21 (test split): column 'rejected' is empty (null)"),
     ("grpo.py", ["--model", "{d}/sft", "--dataset", "{d}/null_gsm8k.jsonl"], "column 'answer' is empty (null)"),
@@ -107,6 +131,12 @@ def test_bad_input_one_error_line_and_nothing_changed(script, flags, message, ma
     assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
     assert digest(made) == before  # every model and checkpoint that existed is byte-identical
     assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+def test_an_unknown_choice_is_refused_by_tyro(tmp_path):
+    proc = run_script("dpo.py", "--loss-type", "bogus", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "invalid choice 'bogus'" in proc.stderr  # tyro's framed message
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_finished_run_resumed_again_says_so_and_changes_nothing(made, tmp_path):
