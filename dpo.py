@@ -498,7 +498,7 @@ def main(args: Args):
         sys.stdout = open(os.devnull, "w")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
 
-    if args.model == "models/sft" and not os.path.isdir(args.model):
+    if args.model == "models/sft" and not os.path.isfile("models/sft/config.json"):  # (an interrupted sft.py leaves it empty)
         fail("models/sft not found: run `python sft.py` first (or pass --model)")
     try:
         path = args.model

@@ -591,7 +591,7 @@ def main(args: Args):
     t_start = time.time()  # every metrics row carries the wall time since here
     for name in ("model", "reward_model"):
         path = getattr(args, name)
-        if path in ("models/sft", "models/reward") and not os.path.isdir(path):
+        if path in ("models/sft", "models/reward") and not os.path.isfile(os.path.join(path, "config.json")):
             script = "sft.py" if name == "model" else "reward_model.py"
             fail(f"{path} not found: run `python {script}` first (or pass --{name.replace('_', '-')})")
     checkpoint, state = load_checkpoint(args)
