@@ -41,6 +41,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -135,6 +136,26 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.cat(out)
 
 
+LOGITS_CHUNK = 2**25  # logits (positions × vocabulary) that lm_head_logprobs holds at once: 128 MiB in fp32
+
+
+def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(W·h_t / T)[y_t]: hidden states h [B,T,H] through the LM head W, tokens y [B,T] → [B,T].
+
+    The same numbers as token_logprobs(model's logits, y, T), but a few positions at a time (LOGITS_CHUNK
+    logits), each chunk recomputed in backward (checkpoint): the [B,T,V] logits are never all in memory, nor
+    kept for backward (with a 150k vocabulary they dwarf the model's own activations)."""
+    head = (model.module if isinstance(model, DDP) else model).get_output_embeddings()
+    positions = max(1, LOGITS_CHUNK // head.weight.shape[0])
+
+    def chunk(h, y):
+        return token_logprobs(head(h)[None], y[None], temperature)[0]
+
+    out = [checkpoint(chunk, h, y, use_reentrant=False)
+           for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))]
+    return torch.cat(out).view_as(tokens)
+
+
 def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type="sigmoid", label_smoothing=0.0):
     """Per-pair DPO/IPO loss from summed sequence log-probs [B].
 
@@ -179,12 +200,12 @@ def load_model(path: str, trust_remote_code: bool):
 
 
 def sequence_logps(model, batch: dict) -> torch.Tensor:
-    """Σ_t log π(y_t | x, y_<t) over completion tokens [B]; logits at position t predict token t+1."""
+    """Σ_t log π(y_t | x, y_<t) over completion tokens [B]; the hidden state at position t predicts token t+1."""
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
     T = batch["completion_ids"].shape[1]
-    # only the last T + 1 positions' logits are computed: the prompt's own predictions are never needed
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids, logits_to_keep=T + 1).logits
-    return (token_logprobs(logits[:, :-1], batch["completion_ids"]) * batch["completion_mask"]).sum(1)
+    # the body's last hidden states (logits for one position only), then the LM head a chunk at a time
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids, logits_to_keep=1, output_hidden_states=True)
+    return (lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], batch["completion_ids"]) * batch["completion_mask"]).sum(1)
 
 
 def pair_batch(prompts, rows, tokenizer, max_length: int, device, eos_ids: list[int] | None = None) -> dict:

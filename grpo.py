@@ -36,6 +36,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
@@ -133,6 +134,26 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.cat(out)
 
 
+LOGITS_CHUNK = 2**25  # logits (positions × vocabulary) that lm_head_logprobs holds at once: 128 MiB in fp32
+
+
+def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(W·h_t / T)[y_t]: hidden states h [B,T,H] through the LM head W, tokens y [B,T] → [B,T].
+
+    The same numbers as token_logprobs(model's logits, y, T), but a few positions at a time (LOGITS_CHUNK
+    logits), each chunk recomputed in backward (checkpoint): the [B,T,V] logits are never all in memory, nor
+    kept for backward (with a 150k vocabulary they dwarf the model's own activations)."""
+    head = (model.module if isinstance(model, DDP) else model).get_output_embeddings()
+    positions = max(1, LOGITS_CHUNK // head.weight.shape[0])
+
+    def chunk(h, y):
+        return token_logprobs(head(h)[None], y[None], temperature)[0]
+
+    out = [checkpoint(chunk, h, y, use_reentrant=False)
+           for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))]
+    return torch.cat(out).view_as(tokens)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
     """Â_i = (r_i − mean({r})) / (std({r}) + eps) within each group of G = group_size consecutive rows.
 
@@ -225,12 +246,12 @@ def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
 
 
 def forward_logps(model, input_ids, attention_mask, completion_ids, temperature: float) -> torch.Tensor:
-    """log π(y_t) of each completion token [B,T] at the sampling temperature; logits at t predict t+1."""
+    """log π(y_t) of each completion token [B,T] at the sampling temperature; the hidden state at t predicts t+1."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
     T = completion_ids.shape[1]
-    # only the last T + 1 positions' logits are computed: the prompt's own predictions are never needed
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1).logits
-    return token_logprobs(logits[:, :-1], completion_ids, temperature)
+    # the body's last hidden states (logits for one position only), then the LM head a chunk at a time
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1, output_hidden_states=True)
+    return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], completion_ids, temperature)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
@@ -137,6 +138,26 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
         lg = lg.float() / temperature
         out.append(lg.gather(-1, tk.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, dim=-1))
     return torch.cat(out)
+
+
+LOGITS_CHUNK = 2**25  # logits (positions × vocabulary) that lm_head_logprobs holds at once: 128 MiB in fp32
+
+
+def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(W·h_t / T)[y_t]: hidden states h [B,T,H] through the LM head W, tokens y [B,T] → [B,T].
+
+    The same numbers as token_logprobs(model's logits, y, T), but a few positions at a time (LOGITS_CHUNK
+    logits), each chunk recomputed in backward (checkpoint): the [B,T,V] logits are never all in memory, nor
+    kept for backward (with a 150k vocabulary they dwarf the model's own activations)."""
+    head = (model.module if isinstance(model, DDP) else model).get_output_embeddings()
+    positions = max(1, LOGITS_CHUNK // head.weight.shape[0])
+
+    def chunk(h, y):
+        return token_logprobs(head(h)[None], y[None], temperature)[0]
+
+    out = [checkpoint(chunk, h, y, use_reentrant=False)
+           for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))]
+    return torch.cat(out).view_as(tokens)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -240,10 +261,10 @@ def position_ids(attention_mask):
 
 
 def forward_logps(model, input_ids, attention_mask, T: int, temperature: float) -> torch.Tensor:
-    """log π(y_t) of the last T tokens [B,T] at the sampling temperature; logits at t predict t+1."""
-    # only the last T + 1 positions' logits are computed: the prompt's own predictions are never needed
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), logits_to_keep=T + 1).logits
-    return token_logprobs(logits[:, :-1], input_ids[:, -T:], temperature)
+    """log π(y_t) of the last T tokens [B,T] at the sampling temperature; the hidden state at t predicts t+1."""
+    # the body's last hidden states (logits for one position only), then the LM head a chunk at a time
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), logits_to_keep=1, output_hidden_states=True)
+    return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], input_ids[:, -T:], temperature)
 
 
 def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:

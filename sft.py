@@ -33,6 +33,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
@@ -120,6 +121,26 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.cat(out)
 
 
+LOGITS_CHUNK = 2**25  # logits (positions × vocabulary) that lm_head_logprobs holds at once: 128 MiB in fp32
+
+
+def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(W·h_t / T)[y_t]: hidden states h [B,T,H] through the LM head W, tokens y [B,T] → [B,T].
+
+    The same numbers as token_logprobs(model's logits, y, T), but a few positions at a time (LOGITS_CHUNK
+    logits), each chunk recomputed in backward (checkpoint): the [B,T,V] logits are never all in memory, nor
+    kept for backward (with a 150k vocabulary they dwarf the model's own activations)."""
+    head = (model.module if isinstance(model, DDP) else model).get_output_embeddings()
+    positions = max(1, LOGITS_CHUNK // head.weight.shape[0])
+
+    def chunk(h, y):
+        return token_logprobs(head(h)[None], y[None], temperature)[0]
+
+    out = [checkpoint(chunk, h, y, use_reentrant=False)
+           for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))]
+    return torch.cat(out).view_as(tokens)
+
+
 def sft_loss(logps: torch.Tensor, mask: torch.Tensor, num_tokens: float | None = None) -> torch.Tensor:
     """ℒ_SFT = −Σ_t mask_t·log π_θ(y_t) / Σ_t mask_t: token-mean negative log-likelihood of completions.
 
@@ -174,12 +195,12 @@ def load_model(path: str, trust_remote_code: bool):
 
 
 def forward_logps(model, batch: dict) -> torch.Tensor:
-    """log π_θ of each completion token [B,T]; logits at position t predict token t+1."""
+    """log π_θ of each completion token [B,T]; the hidden state at position t predicts token t+1."""
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
     T = batch["completion_ids"].shape[1]
-    # only the last T + 1 positions' logits are computed: the prompt's own predictions are never needed
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids, logits_to_keep=T + 1).logits
-    return token_logprobs(logits[:, :-1], batch["completion_ids"])
+    # the body's last hidden states (logits for one position only), then the LM head a chunk at a time
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids, logits_to_keep=1, output_hidden_states=True)
+    return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], batch["completion_ids"])
 
 
 @torch.no_grad()

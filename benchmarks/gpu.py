@@ -3,8 +3,8 @@
 The model is built from a config (random weights, no download). GRPO: 16 prompts × group 16, 128-token
 prompts, 256 new tokens (random weights rarely stop early, so every completion is full length): generation,
 reference log-probs (μ = 1: the old log-probs are the current ones, no pass), policy forward + backward,
-optimiser. DPO: 32 pairs of 512 tokens (256 prompt + 256 completion): reference log-probs, policy
-forward + backward, optimiser. Reports seconds per phase, tokens/s, model FLOP utilisation (2·N FLOPs per
+optimiser. DPO: 32 pairs of 512 tokens (256 prompt + 256 completion), and 8 pairs of 4096 tokens (2048 +
+2048): reference log-probs, policy forward + backward, optimiser. Reports seconds per phase, tokens/s, model FLOP utilisation (2·N FLOPs per
 token forward, 6·N forward + backward, attention not counted) against the GPU's dense bf16 peak, and peak
 CUDA memory. The first step of each is a warm-up and is not reported.
 
@@ -49,11 +49,13 @@ def build(args: Args):
     if args.tiny:
         config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, tie_word_embeddings=True)
-        shape = dict(prompts=2, group=4, prompt_len=16, new_tokens=8, pairs=4, pair_prompt=16, pair_completion=16, micro=4)
+        shape = dict(prompts=2, group=4, prompt_len=16, new_tokens=8, pairs=4, pair_prompt=16, pair_completion=16, micro=4,
+                     long_pairs=2, long_prompt=32, long_completion=32)
     else:  # Qwen/Qwen2.5-0.5B's config.json
         config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                              num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6)
-        shape = dict(prompts=16, group=16, prompt_len=128, new_tokens=256, pairs=32, pair_prompt=256, pair_completion=256, micro=32)
+        shape = dict(prompts=16, group=16, prompt_len=128, new_tokens=256, pairs=32, pair_prompt=256, pair_completion=256, micro=32,
+                     long_pairs=8, long_prompt=2048, long_completion=2048)
     config.pad_token_id, config.eos_token_id = 0, 1
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(args.device)
@@ -144,7 +146,8 @@ def main(args: Args):
     peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
     lines = [f"Model: Qwen2-architecture, {n_params / 1e6:.1f}M parameters ({'tiny test config' if args.tiny else 'Qwen2.5-0.5B shape'}), "
              f"random weights; device: {name}; peak dense bf16: {peak or 'unknown'} TFLOPS; median of {args.repeats} steps after a warm-up.", ""]
-    for method, step in [("GRPO", grpo_step), ("DPO", dpo_step)]:
+    long_context = dict(shape, pairs=shape["long_pairs"], pair_prompt=shape["long_prompt"], pair_completion=shape["long_completion"])
+    for method, step, shape in [("GRPO", grpo_step, shape), ("DPO", dpo_step, shape), ("DPO, long context", dpo_step, long_context)]:
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()

@@ -60,7 +60,14 @@ def test_gpu_profile_runs_on_a_tiny_cpu_config(tmp_path):
     proc = run_script("benchmarks/gpu.py", "--device", "cpu", "--tiny", "--repeats", "1", "--no-write", cwd=tmp_path)
     for phase in ["generation", "reference log-probs", "policy forward + backward", "optimiser"]:
         assert f"| {phase} |" in proc.stdout
-    assert "**GRPO step**" in proc.stdout and "**DPO step**" in proc.stdout
+    assert "**GRPO step**" in proc.stdout and "**DPO step**" in proc.stdout and "**DPO, long context step**" in proc.stdout
+
+
+def test_logits_memory_runs_both_variants_on_a_small_config(tmp_path):
+    """Both variants take the same step (the script checks their losses agree) and the table is printed."""
+    proc = run_script("benchmarks/logits_memory.py", "--vocab-size", "2000", "--hidden-size", "32", "--pairs", "2", "--prompt-tokens", "8",
+                      "--completion-tokens", "8", "--no-write", cwd=tmp_path)
+    assert "| full logits kept for backward (before) |" in proc.stdout and "`lm_head_logprobs`" in proc.stdout
 
 
 def test_vs_trl_first_step_losses_agree(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 ALL = ["sft", "reward_model", "dpo", "grpo", "ppo"]
 COPIES = {
     "token_logprobs": ["sft", "dpo", "grpo", "ppo"],
+    "lm_head_logprobs": ["sft", "dpo", "grpo", "ppo"],
     "generate_exactly": ALL,  # sampling exactly from softmax(logits / T), whatever the model's generation_config says
     "completion_mask": ["grpo", "ppo"],
     "generate": ["grpo", "ppo"],
