@@ -276,12 +276,9 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
 def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
     """Every id that ends a completion: the tokenizer's EOS and each EOS of the model's generation_config
     (chat models list several, e.g. Qwen's `<|im_end|>` and `<|endoftext|>`)."""
-    ids = [tokenizer.eos_token_id]
     extra = getattr(generation_config, "eos_token_id", None)
-    for i in extra if isinstance(extra, (list, tuple)) else [extra]:
-        if i is not None and i not in ids:
-            ids.append(int(i))
-    return ids
+    extra = extra if isinstance(extra, (list, tuple)) else [extra]
+    return list(dict.fromkeys([tokenizer.eos_token_id] + [int(i) for i in extra if i is not None]))
 
 
 def same_tokenizer(a, b) -> bool:

@@ -124,8 +124,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     """log π(y_t | ·) of the given tokens at sampling temperature T: logits [B,T,V], tokens [B,T] → [B,T].
 
     Equals (logits / T).log_softmax(-1).gather(-1, tokens) but computed as gather − logsumexp in fp32 (T
-    divides the fp32 logits, as sampling does: bf16 logits / T would be off by up to ~0.1 nats), a few rows
-    at a time, so the full [B,T,V] fp32 log-softmax is never materialised."""
+    divides the fp32 logits, as sampling does, not bf16 ones), a few rows at a time, so the full [B,T,V]
+    fp32 log-softmax is never materialised."""
     rows = max(1, 2**26 // max(1, logits.shape[1] * logits.shape[2]))
     out = []
     for lg, tk in zip(logits.split(rows), tokens.split(rows)):

@@ -89,7 +89,7 @@ def test_sampling_is_exactly_softmax_over_temperature_whatever_the_model_ships(c
 
 
 def test_temperature_divides_fp32_logits():
-    """bf16 logits / T in bf16 lose ~0.1 nats; token_logprobs divides after the cast to fp32."""
+    """token_logprobs divides the logits by T after the cast to fp32, as sampling does (not in bf16)."""
     torch.manual_seed(0)
     logits, tokens = (torch.randn(2, 5, 50) * 8).bfloat16(), torch.randint(0, 50, (2, 5))
     exact = (logits.float() / 0.7).log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
