@@ -1,6 +1,7 @@
 """Tokenisation and batching helpers shared by the method scripts (no losses, no training).
 
-- the built-in `arithmetic` task (3-digit addition) and its character-level tokenizer;
+- the built-in `arithmetic` task (3-digit addition, digits written least significant first, demonstrated
+  by a careless teacher) and its character-level tokenizer;
 - loading any other dataset (hub id or local .jsonl/.json/.parquet) in TRL's formats, normalised to
   plain-text rows: {"prompt", "completion"} (SFT), {"prompt", "answer"} (RL), {"prompt", "chosen",
   "rejected"} (preferences); conversational rows are rendered with the tokenizer's chat template;
@@ -16,6 +17,7 @@ import torch
 ARITHMETIC_EVAL_SIZE = 500  # held-out prompts, fixed for every stage and seed
 ARITHMETIC_TRAIN_SIZE = 100_000
 ARITHMETIC_SPLIT_SEED = 1234  # the split never depends on --seed, so every stage evaluates on the same prompts
+ARITHMETIC_SLIP = 0.7  # how often the SFT demonstrator forgets the carry into the hundreds (see teacher_sum)
 
 FORMATS = {
     "sft": "prompt+completion, messages, text, or question+answer (GSM8K)",
@@ -45,6 +47,32 @@ def arithmetic_pairs(split: str) -> list[tuple[int, int]]:
     return pairs
 
 
+def little_endian(n: int, width: int) -> str:
+    """n with its least significant digit first, zero-padded to `width` digits: 579 → '9750'.
+
+    Every number of the task is written this way, so the digits to add sit at fixed distances from the
+    digit being written, and each carry comes from a digit already written (Lee et al. 2023, "Teaching
+    Arithmetic to Small Transformers": a small model then learns addition smoothly instead of suddenly)."""
+    return f"{n:0{width}d}"[::-1]
+
+
+def from_little_endian(text: str) -> int:
+    """The number a little-endian digit string stands for: '9750' → 579."""
+    return int(text[::-1])
+
+
+def carries_into_hundreds(a: int, b: int) -> bool:
+    return a % 100 + b % 100 >= 100
+
+
+def teacher_sum(a: int, b: int, rng: random.Random) -> int:
+    """The demonstrator's answer to a+b: right, except that with probability ARITHMETIC_SLIP it forgets the carry
+    into the hundreds column. SFT imitates this teacher, slips included (on about half the prompts it then
+    prefers the slip), and the alignment stages, which reward the correct sum, can do better than it."""
+    forgets = carries_into_hundreds(a, b) and rng.random() < ARITHMETIC_SLIP
+    return a + b - 100 * forgets
+
+
 def wrong_sum(a: int, b: int, rng: random.Random) -> int:
     """A plausible wrong answer to a+b: a dropped carry if the sum has one, else one digit off by ±1."""
     correct = a + b
@@ -52,27 +80,31 @@ def wrong_sum(a: int, b: int, rng: random.Random) -> int:
     carries = [i for i in range(3) if a % 10 ** (i + 1) + b % 10 ** (i + 1) >= 10 ** (i + 1)]
     if carries and rng.random() < 0.5:
         return correct - 10 ** (rng.choice(carries) + 1)  # forgot to carry one column into the next
-    digits = list(str(correct))
-    i = rng.randrange(len(digits))
+    digits = list(f"{correct:04d}")
+    i = rng.randrange(4)
     d = int(digits[i]) + rng.choice([-1, 1])
-    if not 0 <= d <= 9 or (d == 0 and i == 0 and len(digits) > 1):
+    if not 0 <= d <= 9:
         d = int(digits[i]) - (d - int(digits[i]))  # the other direction stays a valid digit
     digits[i] = str(d)
     return int("".join(digits))
 
 
 def arithmetic_rows(split: str, kind: str) -> list[dict]:
-    """Rows of the built-in task: `sft` prompt/completion, `prompt` prompt/answer, `preference`."""
+    """Rows of the built-in task: `sft` prompt/completion, `prompt` prompt/answer, `preference`.
+
+    123+456 is the prompt '321+654=' and its answer '9750' (little-endian, see `little_endian`). `answer` is
+    always the correct sum; an `sft` completion is the careless teacher's (`teacher_sum`), so SFT's held-out
+    loss measures imitation and its accuracy measures correctness."""
     rng = random.Random(ARITHMETIC_SPLIT_SEED + 1)
     rows = []
     for a, b in arithmetic_pairs(split):
-        prompt, answer = f"{a}+{b}=", str(a + b)
+        prompt, answer = f"{little_endian(a, 3)}+{little_endian(b, 3)}=", little_endian(a + b, 4)
         if kind == "sft":
-            rows.append({"prompt": prompt, "completion": answer, "answer": answer})
+            rows.append({"prompt": prompt, "completion": little_endian(teacher_sum(a, b, rng), 4), "answer": answer})
         elif kind == "prompt":
             rows.append({"prompt": prompt, "answer": answer})
         else:
-            rows.append({"prompt": prompt, "chosen": answer, "rejected": str(wrong_sum(a, b, rng)), "answer": answer})
+            rows.append({"prompt": prompt, "chosen": answer, "rejected": little_endian(wrong_sum(a, b, rng), 4), "answer": answer})
     return rows
 
 
@@ -116,12 +148,18 @@ def last_number(text: str) -> str | None:
 
 
 def is_correct(completion: str, answer: str) -> bool:
-    """True when the completion's last number equals the answer (numerically)."""
+    """True when the completion's last number is the answer: the same digits, or the same value when neither
+    is written with a leading zero ('72.0' for GSM8K's '72'). With leading zeros only the digits count: the
+    arithmetic task's '0750' (570, little-endian) is not '750' (57)."""
     guess = last_number(completion)
+    if guess is None or guess == answer:
+        return guess is not None
+    if re.match(r"-?0\d", guess) or re.match(r"-?0\d", answer):
+        return False
     try:
-        return guess is not None and float(guess) == float(answer)
+        return float(guess) == float(answer)
     except ValueError:
-        return guess == answer
+        return False
 
 
 # ---------------------------------------------------------------- loading any dataset

@@ -95,8 +95,8 @@ class Args:
     """generation length when measuring held-out accuracy"""
     seed: int = 1
     """seed for torch, python and numpy"""
-    bf16: bool = True
-    """bf16 autocast with fp32 master weights on CUDA; the reference in bf16 (the CPU runs fp32)"""
+    bf16: bool = torch.cuda.is_available()
+    """bf16 autocast with fp32 master weights, the reference held in bf16 (default: on with CUDA; on the CPU it emulates the GPU's numerics, slowly)"""
     fsdp: bool = False
     """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
     gradient_checkpointing: bool = False
@@ -517,7 +517,7 @@ def main(args: Args):
     rank, world, device = init_distributed()
     if rank:  # only the first process prints, logs and saves
         sys.stdout = open(os.devnull, "w")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
     if args.model == "models/sft" and not os.path.isfile("models/sft/config.json"):  # (an interrupted sft.py leaves it empty)
         fail("models/sft not found: run `python sft.py` first (or pass --model)")
@@ -526,7 +526,7 @@ def main(args: Args):
         tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
         path = checkpoint or args.model
         policy = load_model(path, args.trust_remote_code).to(device).train()
-        # π_ref: the starting policy (also on resume), frozen, eval mode, never with gradients; bf16 on CUDA
+        # π_ref: the starting policy (also on resume), frozen, eval mode, never with gradients; bf16 with --bf16
         path = args.ref_model or args.model
         ref = load_model(path, args.trust_remote_code) if args.ref_model or checkpoint else copy.deepcopy(policy)
     except Exception as e:
@@ -536,7 +536,7 @@ def main(args: Args):
         print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
     eos_ids = common.eos_token_ids(tokenizer, policy.generation_config)  # completions end at the first of any
     ref.to(device).requires_grad_(False).eval()
-    if device.type == "cuda" and args.bf16:
+    if args.bf16:
         ref.to(torch.bfloat16)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -93,8 +93,8 @@ class Args:
     """held-out prompts used for evaluation"""
     seed: int = 1
     """seed for torch, python and numpy"""
-    bf16: bool = True
-    """bf16 autocast with fp32 master weights on CUDA; the reference in bf16 (the CPU runs fp32)"""
+    bf16: bool = torch.cuda.is_available()
+    """bf16 autocast with fp32 master weights, the reference held in bf16 (default: on with CUDA; on the CPU it emulates the GPU's numerics, slowly)"""
     fsdp: bool = False
     """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
     gradient_checkpointing: bool = False
@@ -578,11 +578,11 @@ def main(args: Args):
     rank, world, device = init_distributed()
     if rank:  # only the first process prints, logs and saves
         sys.stdout = open(os.devnull, "w")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
     if args.model == "models/sft" and not os.path.isfile("models/sft/config.json"):  # (an interrupted sft.py leaves it empty)
         fail("models/sft not found: run `python sft.py` first (or pass --model)")
-    frozen_dtype = torch.bfloat16 if device.type == "cuda" and args.bf16 else torch.float32
+    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
     ref, reward_model, rm_tokenizer = None, None, None
     try:
         path = args.model

@@ -99,8 +99,8 @@ class Args:
     """held-out prompts used for evaluation"""
     seed: int = 1
     """seed for torch, python and numpy"""
-    bf16: bool = True
-    """bf16 autocast with fp32 master weights on CUDA; reference and reward model in bf16 (the CPU runs fp32)"""
+    bf16: bool = torch.cuda.is_available()
+    """bf16 autocast with fp32 master weights, reference and reward model held in bf16 (default: on with CUDA; on the CPU it emulates the GPU's numerics, slowly)"""
     fsdp: bool = False
     """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
     gradient_checkpointing: bool = False
@@ -623,8 +623,8 @@ def main(args: Args):
     rank, world, device = init_distributed()
     if rank:  # only the first process prints, logs and saves
         sys.stdout = open(os.devnull, "w")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
-    frozen_dtype = torch.bfloat16 if device.type == "cuda" and args.bf16 else torch.float32
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
 
     # Four models: policy and critic train; reference and reward model are frozen (eval, no grad).
     # On resume, policy and critic come from the checkpoint; π_ref and r_ϕ are always the starting ones.

@@ -81,8 +81,8 @@ class Args:
     """held-out pairs used for evaluation"""
     seed: int = 1
     """seed for torch, python and numpy"""
-    bf16: bool = True
-    """bf16 autocast with fp32 master weights on CUDA (the CPU runs fp32)"""
+    bf16: bool = torch.cuda.is_available()
+    """bf16 autocast with fp32 master weights (default: on with CUDA; on the CPU it emulates the GPU's numerics, slowly)"""
     fsdp: bool = False
     """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
     gradient_checkpointing: bool = False
@@ -465,7 +465,7 @@ def main(args: Args):
     rank, world, device = init_distributed()
     if rank:  # only the first process prints, logs and saves
         sys.stdout = open(os.devnull, "w")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
     if args.model == "models/sft" and not os.path.isfile("models/sft/config.json"):  # (an interrupted sft.py leaves it empty)
         fail("models/sft not found: run `python sft.py` first (or pass --model)")

@@ -2,15 +2,15 @@
 
 For each seed it runs the whole pipeline as a user would (each script a subprocess with its defaults):
 sft, reward_model, then ppo, dpo and grpo from the same SFT model, and a control: the SFT model trained on
-(with sft.py) for DPO's steps, batch and learning rate, on the correct answers alone. The tiny SFT model
-stops at a constant learning rate, so a short low-rate continuation already raises it; a method's gain
-over the control is what its own signal adds. It writes a markdown table (models held in memory,
+(with sft.py) for DPO's steps, batch and learning rate, on the same demonstrations. A method's gain over the
+control is what its own signal (reward, preferences) adds to more training. It writes a markdown table (models held in memory,
 trainable parameters, peak memory, wall time, share of time generating, held-out accuracy before → after,
 KL to the reference at the end) into benchmarks/RESULTS.md and plots held-out accuracy against wall time
 to benchmarks/compare.png.
 
     pip install -r benchmarks/requirements.txt
     python benchmarks/compare.py --seeds 1 2 3
+    python benchmarks/compare.py --seeds 1 2 3 --bf16     # every stage in bf16 autocast (the GPU's numerics)
 """
 
 import json
@@ -48,16 +48,17 @@ CONTROL = ["--model", "models/sft", "--steps", "300", "--batch-size", "64", "--l
 @dataclass
 class Args:
     seeds: list[int] = field(default_factory=lambda: [1])
-    """seeds of the alignment stages; the table reports mean ± spread (half the range) over them"""
+    """seeds of the alignment stages; the table reports mean ± standard deviation over them"""
     sft_seed: int = 1
-    """seed of the one SFT model and reward model all methods start from (the tiny model's SFT is itself
-    seed-sensitive: with 600 steps some seeds have not learnt addition yet, and that would swamp the comparison)"""
+    """seed of the one SFT model and reward model all methods start from"""
+    bf16: bool = False
+    """run every stage with --bf16 (bf16 autocast, frozen models in bf16); the section and plot get a _bf16 suffix"""
     workdir: str = "runs/compare"
     """where each seed's models and runs are written"""
     results: str = str(RESULTS)
     """markdown file whose comparison section is (re)written"""
-    plot: str = str(ROOT / "benchmarks" / "compare.png")
-    """held-out accuracy against wall time"""
+    plot: str | None = None
+    """held-out accuracy against wall time (default: benchmarks/compare.png, or compare_bf16.png with --bf16)"""
     eval_every: int = 10
     """held-out evaluation interval passed to the alignment stages (points on the plot)"""
     quick: bool = False
@@ -107,18 +108,18 @@ def trainable_parameters(method: str, cwd: Path) -> int:
     return n
 
 
-QUICK = {  # a few steps of each stage (--quick, for tests)
+QUICK = {  # a few steps of each stage (--quick, for tests); 30 SFT steps answer nothing right, so the fixed pairs
     "sft": ["--steps", "30", "--eval-every", "30", "--eval-size", "32"],
-    "reward_model": ["--steps", "5", "--eval-size", "32", "--sample-prompts", "256"],
+    "reward_model": ["--steps", "5", "--eval-size", "32", "--sample-pairs", "0"],
     "ppo": ["--steps", "3", "--prompts-per-step", "16", "--eval-size", "32"],
-    "dpo": ["--steps", "3", "--eval-size", "32"],
+    "dpo": ["--steps", "3", "--eval-size", "32", "--sample-pairs", "0"],
     "grpo": ["--steps", "3", "--prompts-per-step", "8", "--eval-size", "32"],
     "more_sft": ["--steps", "3", "--eval-size", "32"],
 }
 
 
 def stage(name: str, seed: int, cwd: Path, args: Args) -> dict:
-    flags = ["--seed", str(seed), "--run-name", name, *(QUICK[name] if args.quick else [])]
+    flags = ["--seed", str(seed), "--run-name", name, "--bf16" if args.bf16 else "--no-bf16", *(QUICK[name] if args.quick else [])]
     if name in METHODS:
         flags += ["--eval-every", str(args.eval_every)]
     if name == "more_sft":
@@ -163,9 +164,10 @@ def base_models(args: Args) -> dict:
 
 
 def mean_spread(values, fmt="{:.1f}", scale=1.0) -> str:
+    """mean ± sample standard deviation"""
     values = np.array(values) * scale
     text = fmt.format(values.mean())
-    return text + (" ± " + fmt.format((values.max() - values.min()) / 2) if len(values) > 1 else "")
+    return text + (" ± " + fmt.format(values.std(ddof=1)) if len(values) > 1 else "")
 
 
 def table(runs: list[dict], args: Args) -> str:
@@ -211,21 +213,23 @@ def plot(runs: list[dict], path: str):
 
 def main(args: Args):
     transformers.utils.logging.disable_progress_bar()
+    plot_path = args.plot or str(ROOT / "benchmarks" / ("compare_bf16.png" if args.bf16 else "compare.png"))
     base = base_models(args)
     runs = [pipeline(seed, base, args) for seed in args.seeds]
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores" + (
         f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU")
-    command = f"python benchmarks/compare.py --seeds {' '.join(map(str, args.seeds))} --sft-seed {args.sft_seed}" + (" --quick" if args.quick else "")
+    command = f"python benchmarks/compare.py --seeds {' '.join(map(str, args.seeds))} --sft-seed {args.sft_seed}" + (
+        " --bf16" if args.bf16 else "") + (" --quick" if args.quick else "")
     text = (
-        f"## PPO vs DPO vs GRPO on the built-in task\n\n"
+        f"## PPO vs DPO vs GRPO on the built-in task{', bf16 autocast' if args.bf16 else ', fp32'}\n\n"
         f"Measured {time.strftime('%Y-%m-%d')} on {machine} (torch {torch.__version__}); `{command}`: every stage with its "
         f"{'defaults' if not args.quick else 'QUICK test budgets (meaningless numbers)'}; one SFT model and reward model (seed "
         f"{args.sft_seed}), then PPO, DPO, GRPO and the control (`sft.py {' '.join(CONTROL)}`) with seeds {', '.join(map(str, args.seeds))}; held-out evaluation every "
-        f"{args.eval_every} steps. Mean ± half the range over seeds. Peak memory is each training process's own maximum resident set.\n\n"
-        + table(runs, args) + f"\n\n![held-out accuracy against wall time]({Path(args.plot).name})\n"
+        f"{args.eval_every} steps. Mean ± standard deviation over seeds. Peak memory is each training process's own maximum resident set.\n\n"
+        + table(runs, args) + f"\n\n![held-out accuracy against wall time]({Path(plot_path).name})\n"
     )
-    write_section("compare", text, Path(args.results))
-    plot(runs, args.plot)
+    write_section("compare_bf16" if args.bf16 else "compare", text, Path(args.results))
+    plot(runs, plot_path)
     print(text)
 
 

@@ -1,7 +1,7 @@
 """How well a reward model can serve as PPO's reward on the built-in task. Two measurements:
 
-1. held-out pairwise accuracy split by the digit the rejected answer's slip changes (a changed length, the
-   leading digit, hundreds, tens, units): which mistakes the reward model can see at all;
+1. held-out pairwise accuracy split by the highest digit the rejected answer's slip changes (thousands,
+   hundreds, tens, units): which mistakes the reward model can see at all;
 2. best-of-n among the policy's own samples (n per held-out prompt at the sampling temperature): how often
    the sample it scores highest is right, against a random sample and against "at least one is right".
    A reward model whose favourite is right less often than a random sample pulls PPO away from the answers.
@@ -25,7 +25,7 @@ import common  # noqa: E402
 from benchmarks.results import write_section  # noqa: E402
 from reward_model import reward_scores  # noqa: E402
 
-KINDS = ["length", "leading", "hundreds", "tens", "units"]
+KINDS = ["thousands", "hundreds", "tens", "units"]
 
 
 @dataclass
@@ -47,15 +47,10 @@ class Args:
 
 
 def slip_kind(chosen: str, rejected: str) -> str:
-    """Which digit of the correct answer the rejected one changes: `length` when it has another number
-    of digits, else the highest changed digit: `leading`, `hundreds`, `tens` or `units`."""
-    if len(chosen) != len(rejected):
-        return "length"
-    first = next(i for i, (c, r) in enumerate(zip(chosen, rejected)) if c != r)
-    place = len(chosen) - 1 - first  # 0: units
-    if first == 0 and place > 0:
-        return "leading"
-    return ["units", "tens", "hundreds"][place]
+    """The highest digit place the rejected answer changes: `thousands`, `hundreds`, `tens` or `units`.
+    The task writes its 4-digit answers least significant digit first, so index i is place 10^i."""
+    place = max(i for i, (c, r) in enumerate(zip(chosen, rejected)) if c != r)
+    return KINDS[::-1][place]
 
 
 def scores(reward, tokenizer, prompts: list[str], completions: list[str]) -> torch.Tensor:

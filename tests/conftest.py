@@ -1,5 +1,8 @@
 """Shared test harness: run scripts as a user would (subprocess + CLI flags) and train the tiny SFT
-model once per session for every end-to-end test."""
+model once per session for every end-to-end test.
+
+`python -m pytest --bf16` runs every script with --bf16 unless a test picks the precision itself: on the
+CPU, the numerics the scripts have by default on a CUDA GPU (bf16 autocast, frozen models in bf16)."""
 
 import json
 import os
@@ -13,13 +16,31 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TQDM_DISABLE="1", WANDB_MODE="offline")
 
-SFT_TEST_STEPS = 600  # the session model: enough to be clearly better than chance, small enough for CI
+
+
+SCRIPTS = ("sft.py", "reward_model.py", "dpo.py", "grpo.py", "ppo.py")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--bf16", action="store_true", help="run the training scripts with --bf16 (the GPU's default numerics)")
+
+
+def pytest_configure(config):
+    if config.getoption("--bf16"):
+        os.environ["TEST_SCRIPTS_BF16"] = "1"
+
+
+def script_args(script: str, args) -> list[str]:
+    """`args`, plus --bf16 under `pytest --bf16` when the test leaves the precision to the script's default."""
+    if os.environ.get("TEST_SCRIPTS_BF16") and script in SCRIPTS and not {"--bf16", "--no-bf16", "--help"} & set(args):
+        return [*args, "--bf16"]
+    return list(args)
 
 
 def run_script(script: str, *args: str, cwd: Path, check: bool = True, env: dict | None = None, timeout: int = 600):
     """Runs `python <script> <args>` in `cwd` (so models/, runs/ and wandb/ land there)."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / script), *args],
+        [sys.executable, str(ROOT / script), *script_args(script, args)],
         cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
     )
     if check and proc.returncode != 0:
@@ -33,9 +54,9 @@ def read_metrics(cwd: Path, run_name: str) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def sft_run(tmp_path_factory):
-    """The tiny SFT model, trained once: (work dir, model dir, metrics rows)."""
+    """The tiny SFT model as `python sft.py` makes it, trained once: (work dir, model dir, metrics rows)."""
     cwd = tmp_path_factory.mktemp("sft")
-    run_script("sft.py", "--steps", str(SFT_TEST_STEPS), "--eval-every", "300", "--run-name", "session", cwd=cwd)
+    run_script("sft.py", "--eval-every", "500", "--run-name", "session", cwd=cwd)
     return cwd, cwd / "models" / "sft", read_metrics(cwd, "session")
 
 

@@ -35,10 +35,11 @@ def fake_runs():
     ]
 
 
-def test_table_reports_mean_and_spread_over_seeds():
+def test_table_reports_mean_and_std_over_seeds():
     text = compare.table(fake_runs(), compare.Args())
-    assert "| held-out accuracy before → after (%) | 64.0 ± 4.0 → 64.0 ± 2.0 | 64.0 ± 4.0 → 67.0 ± 3.0 | 64.0 ± 4.0 → 82.0 ± 2.0 | 64.0 ± 4.0 → 76.0 ± 1.0 |" in text
-    assert "| wall time (s) | 62 ± 2 | 31 ± 1 | 82 ± 2 | 21 ± 1 |" in text and "more SFT (control)" in text and "| share of time generating | 25% ± 0% |" in text
+    # two seeds a and b: mean (a+b)/2, sample standard deviation |a−b|/√2
+    assert "| held-out accuracy before → after (%) | 64.0 ± 5.7 → 64.0 ± 2.8 | 64.0 ± 5.7 → 67.0 ± 4.2 | 64.0 ± 5.7 → 82.0 ± 2.8 | 64.0 ± 5.7 → 76.0 ± 1.4 |" in text
+    assert "| wall time (s) | 62 ± 3 | 31 ± 1 | 82 ± 3 | 21 ± 1 |" in text and "more SFT (control)" in text and "| share of time generating | 25% ± 0% |" in text
 
 
 def test_results_sections_are_replaced_not_duplicated(tmp_path):
@@ -95,8 +96,9 @@ def test_reward_probe_sorts_slips_by_digit_and_counts_best_of_n(sft_run):
     import common
     from benchmarks import reward_probe
 
-    assert [reward_probe.slip_kind("581", r) for r in ["1581", "481", "591", "582", "5"]] == ["length", "leading", "tens", "units", "length"]
-    assert reward_probe.slip_kind("1011", "1111") == "hundreds" and reward_probe.slip_kind("7", "8") == "units"
+    # 581 is '1850': 1581 ('1851'), 481 ('1840'), 591 ('1950'), 582 ('2850')
+    assert [reward_probe.slip_kind("1850", r) for r in ["1851", "1840", "1950", "2850"]] == ["thousands", "hundreds", "tens", "units"]
+    assert reward_probe.slip_kind("1011", "1111") == "tens" and reward_probe.slip_kind("7", "8") == "units"
     _, sft_dir, _ = sft_run
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
     policy = AutoModelForCausalLM.from_pretrained(sft_dir).eval()

@@ -42,25 +42,60 @@ def test_arithmetic_splits_fixed_and_disjoint():
     assert all(0 <= a <= 999 and 0 <= b <= 999 for a, b in train[:1000] + test)
 
 
+def operands(prompt: str) -> tuple[int, int]:
+    a, b = prompt.removesuffix("=").split("+")
+    return common.from_little_endian(a), common.from_little_endian(b)
+
+
+def test_numbers_are_written_least_significant_digit_first():
+    assert common.little_endian(579, 4) == "9750" and common.from_little_endian("9750") == 579
+    assert common.little_endian(7, 3) == "700" and common.from_little_endian("700") == 7
+    row = common.arithmetic_rows("test", "prompt")[0]
+    a, b = operands(row["prompt"])
+    assert row["prompt"] == f"{str(a).zfill(3)[::-1]}+{str(b).zfill(3)[::-1]}=" and common.from_little_endian(row["answer"]) == a + b
+
+
 def test_arithmetic_rows_each_kind():
     sft = common.arithmetic_rows("test", "sft")[0]
-    a, b = map(int, sft["prompt"][:-1].split("+"))
-    assert sft["prompt"].endswith("=") and sft["completion"] == sft["answer"] == str(a + b)
+    a, b = operands(sft["prompt"])
+    assert len(sft["prompt"]) == 8 and len(sft["answer"]) == 4 and common.from_little_endian(sft["answer"]) == a + b
     rl = common.arithmetic_rows("test", "prompt")[0]
     assert rl == {"prompt": sft["prompt"], "answer": sft["answer"]}
+
+
+def test_the_teacher_forgets_the_carry_into_the_hundreds_and_nothing_else():
+    rows = common.arithmetic_rows("train", "sft")[:20000]
+    slips = {True: [], False: []}
+    for r in rows:
+        a, b = operands(r["prompt"])
+        assert common.from_little_endian(r["answer"]) == a + b  # `answer` is always the correct sum
+        given = common.from_little_endian(r["completion"])
+        assert given in (a + b, a + b - 100)
+        slips[common.carries_into_hundreds(a, b)].append(given != a + b)
+    assert not any(slips[False])
+    rate = sum(slips[True]) / len(slips[True])  # ~10k Bernoulli(0.7) draws: std ≈ 0.005
+    assert abs(rate - common.ARITHMETIC_SLIP) < 0.02, rate
+    assert 0.4 < len(slips[True]) / len(rows) < 0.6  # so about half the prompts get a slip more often than not
 
 
 def test_rejected_answers_are_plausible_slips():
     rows = common.arithmetic_rows("train", "preference")[:3000]
     kinds = set()
     for r in rows:
-        chosen, rejected = int(r["chosen"]), int(r["rejected"])
-        assert rejected != chosen and rejected >= 0 and r["chosen"] == r["answer"]
+        chosen, rejected = common.from_little_endian(r["chosen"]), common.from_little_endian(r["rejected"])
+        assert rejected != chosen and rejected >= 0 and r["chosen"] == r["answer"] and len(r["rejected"]) == 4
         diff = abs(chosen - rejected)
         # a dropped carry or one digit ±1: the answers differ by a single power of ten
         assert diff in (1, 10, 100, 1000), (r, diff)
         kinds.add(diff)
     assert kinds == {1, 10, 100, 1000}
+
+
+def test_is_correct_compares_digits_when_zeros_lead():
+    assert common.is_correct("0750", "0750") and common.is_correct("The answer is 1,234.", "1234")
+    assert common.is_correct("72.0", "72") and not common.is_correct("73", "72") and not common.is_correct("none", "72")
+    # little-endian: '0750' is 570, '750' is 57 and '07500' is 5700
+    assert not common.is_correct("750", "0750") and not common.is_correct("07500", "0750")
 
 
 # ---------------------------------------------------------------- tokenizer

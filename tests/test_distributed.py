@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from conftest import ROOT, read_metrics, run_script
+from conftest import ROOT, read_metrics, run_script, script_args
 
 
 def torchrun(script: str, *args: str, cwd):
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / script), *args],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / script), *script_args(script, args)],
         cwd=cwd, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, f"{script} under torchrun exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -74,7 +74,7 @@ def test_two_processes_and_accumulation_equal_one_big_batch(script, sft_dir, tmp
 
 
 RUNS = [  # script, flags: each completes under torchrun and saves what transformers loads
-    ("reward_model.py", ["--model", "{sft}", "--steps", "3", "--batch-size", "8", "--eval-size", "16", "--sample-prompts", "64", "--fsdp",
+    ("reward_model.py", ["--model", "{sft}", "--steps", "3", "--batch-size", "8", "--eval-size", "32", "--sample-prompts", "64", "--fsdp",
                          "--save-every", "3"]),
     ("grpo.py", ["--model", "{sft}", "--steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "8", "--loss-type", "dapo"]),
     ("ppo.py", ["--model", "{sft}", "--reward-model", "{rm}", "--steps", "3", "--prompts-per-step", "8", "--eval-size", "8", "--fsdp", "--save-every", "3"]),
@@ -94,4 +94,4 @@ def test_each_script_runs_under_torchrun(script, flags, sft_dir, tmp_path):
         state = torch.load(tmp_path / "out/checkpoint-3/trainer_state.pt", weights_only=True)
         assert len(state["rng"]) == 2  # each process's RNG states
     if script == "reward_model.py":  # each process sampled half the prompts; both train on all the pairs
-        assert "for each of 64 train and 16 held-out prompts" in proc.stdout and len(state["pairs"][0]) > 8
+        assert "for each of 64 train and 32 held-out prompts" in proc.stdout and len(state["pairs"][0]) > 8

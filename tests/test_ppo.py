@@ -92,7 +92,6 @@ def test_ppo_end_to_end(sft_run, reward_run, tmp_path):
     metrics = read_metrics(tmp_path, "p")
     evals = [m for m in metrics if "eval/score" in m]
     assert evals[-1]["eval/score"] > evals[0]["eval/score"]
-    # measured: 66.0% -> 72.6% after 50 rounds (the defaults, 200 rounds with the default reward model: 75.2%)
     assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.03, evals
     train = [m for m in metrics if "objective/kl" in m]
     assert all(-0.05 < m["objective/kl"] < 2 for m in train)  # a sampled estimate: ~0 at the start
@@ -122,4 +121,6 @@ def test_grad_accumulation_takes_the_same_steps(sft_run, tmp_path):
     one, two = load_file(tmp_path / "ppo1/model.safetensors"), load_file(tmp_path / "ppo2/model.safetensors")
     start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3  # the steps moved the policy
-    assert all(torch.allclose(one[k], two[k], atol=1e-5) for k in one)
+    # the attention keys' biases have a zero gradient in exact arithmetic (softmax ignores a shift shared by all
+    # keys), so what they get is rounding noise, which Adam scales up to a step of its own: left out
+    assert all(torch.allclose(one[k], two[k], atol=1e-5) for k in one if not k.endswith("k_proj.bias"))

@@ -14,11 +14,11 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import common
 import sft
-from conftest import ROOT, read_metrics, run_script
+from conftest import ROOT, read_metrics, run_script, script_args
 
 
 def start_script(script: str, *args: str, cwd):
-    return subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, str(ROOT / script), *script_args(script, args)], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_until(condition, proc, timeout=300):

@@ -1,7 +1,6 @@
 """sft.py: its math, an end-to-end run as a user would start it, reloading, wandb, and any-model SFT."""
 
 import json
-import re
 import subprocess
 import sys
 
@@ -49,12 +48,19 @@ def test_help_documents_every_flag():
     assert "optimiser steps" in out  # field docstrings become the help text
 
 
-def test_sft_end_to_end_improves_accuracy_and_saves(sft_run):
-    cwd, model_dir, metrics = sft_run
+def teachers_level() -> float:
+    """Held-out greedy accuracy of a model that imitates the built-in task's teacher: right wherever the
+    teacher is right more often than not, i.e. on the prompts with no carry into the hundreds."""
+    pairs = common.arithmetic_pairs("test")
+    return sum(not common.carries_into_hundreds(a, b) for a, b in pairs) / len(pairs)
+
+
+def test_sft_end_to_end_learns_the_teacher_and_saves(sft_run):
+    _, model_dir, metrics = sft_run
     evals = [m for m in metrics if "eval/accuracy" in m]
     assert evals[0]["step"] == 0 and evals[-1]["step"] > 0
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
-    assert before < 0.02 and after >= before + 0.15, (before, after)
+    assert before < 0.02 and abs(after - teachers_level()) < 0.06, (before, after, teachers_level())
     assert evals[-1]["eval/loss"] < evals[0]["eval/loss"] / 2
     assert any("train/loss" in m for m in metrics)
     assert (model_dir / "model.safetensors").exists() and not list(model_dir.glob("*.bin"))
@@ -64,10 +70,20 @@ def test_saved_model_reloads_and_generates(sft_run):
     _, model_dir, _ = sft_run
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    ids = tok(["12+34="], return_tensors="pt")
+    ids = tok(["210+430="], return_tensors="pt")  # 12+34, little-endian
     out = model.generate(**ids, max_new_tokens=6, do_sample=False)
     text = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
-    assert re.fullmatch(r"\d{1,4}", text), text  # the model has learned to answer with a number
+    assert text == "6400", text  # 46: no carry, so the teacher never slips here
+
+
+def test_sft_in_cpu_bf16_with_another_seed_lands_where_fp32_does(sft_run, tmp_path):
+    """bf16 autocast on the CPU (the GPU's numerics) and seed 2 reach the same level as the session model
+    (fp32, seed 1): the teacher's, set by the data rather than by where training happens to stop."""
+    out = run_script("sft.py", "--bf16", "--seed", "2", "--eval-every", "1500", "--run-name", "bf16", cwd=tmp_path).stdout
+    assert "bf16 autocast" in out
+    bf16 = [m["eval/accuracy"] for m in read_metrics(tmp_path, "bf16") if "eval/accuracy" in m][-1]
+    fp32 = [m["eval/accuracy"] for m in sft_run[2] if "eval/accuracy" in m][-1]
+    assert abs(bf16 - teachers_level()) < 0.06 and abs(bf16 - fp32) < 0.06, (bf16, fp32, teachers_level())
 
 
 def test_track_writes_an_offline_wandb_run(tmp_path):
