@@ -52,7 +52,8 @@ EQUIVALENT = {  # 6 steps of each at a learning rate that moves the weights
 
 @pytest.mark.parametrize("script", list(EQUIVALENT))
 def test_two_processes_and_accumulation_equal_one_big_batch(script, sft_dir, tmp_path):
-    flags = [f.format(sft=sft_dir) for f in EQUIVALENT[script]]
+    # equal to float rounding is an fp32 property: bf16 rounds each split of the batch differently
+    flags = [f.format(sft=sft_dir) for f in EQUIVALENT[script]] + ["--no-bf16"]
     for name in ("big", "acc", "ddp", "fsdp"):
         (tmp_path / name).mkdir()
     run_script(script, *flags, "--batch-size", "16", "--output-dir", "big", "--run-name", "big", cwd=tmp_path / "big")

@@ -3,6 +3,7 @@ and every preference format from local files."""
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -102,7 +103,10 @@ def test_dpo_end_to_end_raises_greedy_accuracy(sft_run, tmp_path):
     assert evals[-1]["eval/rewards/accuracies"] >= 0.55, evals
     assert any(m.get("time/generation_s", 0) > 0 for m in metrics)
     train = [m for m in metrics if "rewards/margins" in m]
-    assert train[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-5)  # policy = reference at the start
+    # policy = reference at the start; in bf16 the reference's weights are rounded to bf16 (norms included)
+    # while autocast keeps the policy's fp32 ones where it runs in fp32, so the two differ a little
+    bf16 = bool(os.environ.get("TEST_SCRIPTS_BF16"))
+    assert train[0]["train/loss"] == pytest.approx(math.log(2), abs=0.05 if bf16 else 1e-5)
     assert sum(m["rewards/margins"] for m in train[-10:]) > 0
     for key in ["train/loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"]:
         assert key in train[0], key

@@ -167,5 +167,5 @@ def test_tokenizer_without_pad_token_is_handled_with_a_note(sft_run, tmp_path):
     tok.pad_token = None
     tok.save_pretrained(tmp_path / "m")
     AutoModelForCausalLM.from_pretrained(sft_dir).save_pretrained(tmp_path / "m")
-    proc = run_script("dpo.py", "--model", str(tmp_path / "m"), "--steps", "2", "--batch-size", "4", "--eval-size", "8", cwd=tmp_path)
+    proc = run_script("dpo.py", "--model", str(tmp_path / "m"), "--steps", "2", "--batch-size", "4", "--eval-size", "8", "--no-bf16", cwd=tmp_path)
     assert "no pad token; padding with EOS" in proc.stdout
