@@ -126,13 +126,19 @@ def build_char_tokenizer():
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     """AutoTokenizer.from_pretrained, except that a tokenizer saved as a plain `tokenizers` one (the built-in
     character tokenizer) loads as saved: for some model types (qwen2) transformers 5 swaps in the type's own
-    class, whose byte-level pre-tokenizer silently drops the spaces and newlines of a character vocabulary."""
+    class, whose byte-level pre-tokenizer silently drops the spaces and newlines of a character vocabulary.
+    A tokenizer without a pad token pads with EOS."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
     if get_tokenizer_config(path).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:  # masks come from lengths and positions, never from the pad id: EOS is safe
+        tokenizer.pad_token = tokenizer.eos_token
+        print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
+    return tokenizer
 
 
 # ---------------------------------------------------------------- answers

@@ -30,6 +30,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Literal
 
 import numpy as np
@@ -50,6 +51,7 @@ import common
 
 @dataclass
 class Args:
+    # models and data
     model: str = "models/sft"
     """policy to start from (hub id or path)"""
     ref_model: str | None = None
@@ -58,8 +60,28 @@ class Args:
     """`arithmetic` (built-in preferences), a hub id, or a local preference .jsonl/.json/.parquet file"""
     dataset_config: str | None = None
     """the hub dataset's configuration name, if it has several"""
+    max_length: int = 1024
+    """prompt and completions are each truncated to this many tokens (prompts from the left)"""
     output_dir: str = "models/dpo"
     """where the trained policy and tokenizer are saved"""
+    trust_remote_code: bool = False
+    """allow model repositories to run their own code"""
+    # the objective: β, loss variants
+    beta: float = 3.0
+    """β: strength of the implicit KL constraint (larger stays closer to π_ref; 0.1 is usual for chat models)"""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: the DPO loss; ipo: the squared IPO loss"""
+    label_smoothing: float = 0.0
+    """ls: assumed probability that a preference label is flipped (conservative DPO; sigmoid only)"""
+    rpo_alpha: float = 0.0
+    """α: weight of the chosen completions' per-token NLL added to the loss (RPO; keeps log π(y_w) from falling)"""
+    # pairs sampled from π_ref (built-in task)
+    sample_pairs: int = 4
+    """rows with answers (the built-in task): sample this many completions per prompt from π_ref and pair a
+    correct one with a wrong one, instead of the dataset's fixed pairs (0: the fixed pairs)"""
+    sample_temperature: float = 0.7
+    """temperature of those samples"""
+    # optimisation
     steps: int = 300
     """optimiser steps"""
     batch_size: int = 64
@@ -72,27 +94,14 @@ class Args:
     """linear warm-up steps"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold (global L2 norm)"""
-    beta: float = 3.0
-    """β: strength of the implicit KL constraint (larger stays closer to π_ref; 0.1 is usual for chat models)"""
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    """sigmoid: the DPO loss; ipo: the squared IPO loss"""
-    label_smoothing: float = 0.0
-    """ls: assumed probability that a preference label is flipped (conservative DPO; sigmoid only)"""
-    rpo_alpha: float = 0.0
-    """α: weight of the chosen completions' per-token NLL added to the loss (RPO; keeps log π(y_w) from falling)"""
-    sample_pairs: int = 4
-    """rows with answers (the built-in task): sample this many completions per prompt from π_ref and pair a
-    correct one with a wrong one, instead of the dataset's fixed pairs (0: the fixed pairs)"""
-    sample_temperature: float = 0.7
-    """temperature of those samples"""
-    max_length: int = 1024
-    """prompt and completions are each truncated to this many tokens (prompts from the left)"""
+    # evaluation
     eval_every: int = 50
     """evaluate on the held-out split every this many steps (and at the end)"""
     eval_size: int = 500
     """held-out pairs (and prompts) used for evaluation"""
     max_new_tokens: int = 8
     """generation length when measuring held-out accuracy"""
+    # run: precision, processes, logging, checkpoints
     seed: int = 1
     """seed for torch, python and numpy"""
     bf16: bool = torch.cuda.is_available()
@@ -101,8 +110,6 @@ class Args:
     """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
     gradient_checkpointing: bool = False
     """recompute activations during the backward pass: much less memory for long sequences, ~1/3 more compute"""
-    trust_remote_code: bool = False
-    """allow model repositories to run their own code"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "align"
@@ -121,7 +128,7 @@ class Args:
     """skip optimiser steps whose loss or gradient norm is NaN/inf (counted) instead of stopping"""
 
 
-# ---------------------------------------------------------------- math
+# ---------------------------------------------------------------- the math
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log π(y_t | ·) of the given tokens at sampling temperature T: logits [B,T,V], tokens [B,T] → [B,T].
 
@@ -175,21 +182,7 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     return losses, beta * chosen_logratio.detach(), beta * rejected_logratio.detach()
 
 
-# ---------------------------------------------------------------- helpers
-@torch.no_grad()
-def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
-    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
-    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
-    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
-    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
-    own = model.generation_config
-    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
-    try:
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
-    finally:
-        model.generation_config = own
-
-
+# ---------------------------------------------------------------- the method's helpers
 def load_model(path: str, trust_remote_code: bool):
     """A causal LM in fp32 (master weights) with every dropout probability in its config at 0."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -197,6 +190,24 @@ def load_model(path: str, trust_remote_code: bool):
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)  # engineering detail 1: no dropout in any model
     return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
+
+
+def load_models(args: Args, run: SimpleNamespace):
+    """The tokenizer, π_θ (from the checkpoint on resume) and π_ref: the starting policy (also on resume) or
+    --ref-model, frozen, in eval mode, never with gradients; held in bf16 with --bf16."""
+    if args.model == "models/sft" and not os.path.isfile("models/sft/config.json"):  # (an interrupted sft.py leaves it empty)
+        fail("models/sft not found: run `python sft.py` first (or pass --model)")
+    try:
+        path = args.model
+        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+        path = run.checkpoint or args.model
+        policy = load_model(path, args.trust_remote_code).to(run.device).train()
+        path = args.ref_model or args.model
+        ref = load_model(path, args.trust_remote_code) if args.ref_model or run.checkpoint else copy.deepcopy(policy)
+    except Exception as e:
+        fail(load_failure(path, e))
+    ref.to(run.device, torch.bfloat16 if args.bf16 else torch.float32).requires_grad_(False).eval()
+    return tokenizer, policy, ref
 
 
 def sequence_logps(model, batch: dict) -> torch.Tensor:
@@ -213,6 +224,20 @@ def pair_batch(prompts, rows, tokenizer, max_length: int, device, eos_ids: list[
     completions = common.tokenize(tokenizer, [r["chosen"] for r in rows] + [r["rejected"] for r in rows], add_eos=True, max_length=max_length,
                                   eos_ids=eos_ids)
     return {k: v.to(device) for k, v in common.collate(prompts * 2, completions, tokenizer.pad_token_id).items()}
+
+
+@torch.no_grad()
+def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
+    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
+    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
+    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
+    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
+    own = model.generation_config
+    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
+    try:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
+    finally:
+        model.generation_config = own
 
 
 @torch.no_grad()
@@ -236,7 +261,262 @@ def sample_pairs(model, tokenizer, prompts, rows, k: int, temperature: float, ma
     return pairs
 
 
-# ---------------------------------------------------------------- several processes (torchrun)
+def own_pairs(args: Args, run: SimpleNamespace, ref, tokenizer, rows: list[dict], autocast) -> list[dict]:
+    """sample_pairs from π_ref over `rows`, each process a share, gathered: every process trains on the same pairs."""
+    mine = rows[run.rank * len(rows) // run.world : (run.rank + 1) * len(rows) // run.world]
+    with autocast:
+        prompt_ids = common.tokenize(tokenizer, [r["prompt"] for r in mine], max_length=args.max_length, left_truncate=True)
+        pairs = sample_pairs(ref, tokenizer, prompt_ids, mine, args.sample_pairs, args.sample_temperature, args.max_new_tokens,
+                             8 * args.batch_size, run.device, show_progress=run.rank == 0)
+    shares = [pairs]
+    if dist.is_initialized():
+        shares = [None] * run.world
+        dist.all_gather_object(shares, pairs)
+    return [pair for share in shares for pair in share]
+
+
+@torch.no_grad()
+def reference_logps(ref, prompt_ids, rows, tokenizer, eos_ids, args: Args, device, autocast) -> torch.Tensor:
+    """log π_ref(y_w | x) and log π_ref(y_l | x) of each pair, as a [B, 2] table (fp32)."""
+    with autocast:
+        return sequence_logps(ref, pair_batch(prompt_ids, rows, tokenizer, args.max_length, device, eos_ids)).float().view(2, -1).T
+
+
+@torch.no_grad()
+def evaluate(policy, tokenizer, eos_ids, rows, prompts, ref_logps, args: Args, device, autocast) -> tuple[dict, list]:
+    """Held-out preference accuracy of the implicit reward, greedy accuracy when answers exist; a few samples."""
+    policy.eval()
+    wins, correct, samples = [], [], []
+    has_answers = all(r.get("answer") is not None for r in rows)
+    n = args.batch_size  # never more memory than a training batch
+    for i in range(0, len(rows), n):
+        batch_rows = rows[i : i + n]
+        batch = pair_batch(prompts[i : i + n], batch_rows, tokenizer, args.max_length, device, eos_ids)
+        with autocast:
+            chosen, rejected = sequence_logps(policy, batch).float().chunk(2)
+        wins += ((chosen - ref_logps[i : i + n, 0]) > (rejected - ref_logps[i : i + n, 1])).tolist()
+        if has_answers:
+            P, B = batch["prompt_ids"].shape[1], len(batch_rows)
+            with autocast:
+                out = generate_exactly(
+                    policy, batch["prompt_ids"][:B], batch["prompt_mask"][:B], synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: lockstep
+                    do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids,
+                )
+            texts = tokenizer.batch_decode(out[:, P:], skip_special_tokens=True)
+            correct += [common.is_correct(t, r["answer"]) for t, r in zip(texts, batch_rows)]
+            samples += [{"prompt": r["prompt"], "completion": t, "answer": r["answer"]} for r, t in zip(batch_rows, texts)][: max(0, 5 - len(samples))]
+    policy.train()
+    metrics = {"eval/rewards/accuracies": float(np.mean(wins))}
+    if has_answers:
+        metrics["eval/accuracy"] = float(np.mean(correct))
+    return metrics, samples
+
+
+def main(args: Args):
+    run = start_run(args, "dpo")  # flags checked, --resume found, seeds set, torchrun's processes joined
+    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    tokenizer, policy, ref = load_models(args, run)
+    eos_ids = common.eos_token_ids(tokenizer, policy.generation_config)  # completions end at the first of any
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trained = wrap(policy, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
+
+    # 1. preference pairs (x, y_w, y_l): the dataset's, or on the built-in task π_ref's own right and wrong samples
+    train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
+    eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_length, left_truncate=True)
+    print(f"policy {args.model} on {run.device} × {run.world}; {len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}")
+    step_rows = args.batch_size * args.grad_accum_steps * run.world
+    sampled, t_sample = bool(run.state and "pairs" in run.state), time.time()
+    if sampled:  # resumed: the very pairs the run started with (the reference cache indexes them)
+        train_rows = run.state["pairs"]
+    elif args.sample_pairs and all(r.get("answer") is not None for r in train_rows[:1000]):
+        # On-policy pairs: the fixed pairs' slips are answers π_ref itself rarely gives, so pushing them
+        # down barely moves its greedy answers; its own right and wrong samples do (see README).
+        n_prompts = min(len(train_rows), 2 * args.steps * step_rows)  # most prompts give a pair
+        train_rows, sampled, t_sample = own_pairs(args, run, ref, tokenizer, train_rows[:n_prompts], autocast), True, time.time() - t_sample
+        print(f"sampled {args.sample_pairs} completions at T={args.sample_temperature} for each of {n_prompts} prompts from π_ref: "
+              f"{len(train_rows)} prompts had a right and a wrong one → training pairs ({t_sample:.0f} s)")
+    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
+    if len(train_rows) < step_rows:
+        fail(f"{len(train_rows)} training pairs are fewer than one step's {step_rows} (batch size × accumulation steps × processes)")
+
+    # 2. reference log-probs: computed once per pair, the first time it is drawn, then reused every epoch
+    ref_cache = run.state["ref_cache"].to(run.device) if run.state else torch.full((len(train_rows), 2), float("nan"), device=run.device)
+    n = args.batch_size
+    eval_ref = torch.cat([reference_logps(ref, eval_prompts[i : i + n], eval_rows[i : i + n], tokenizer, eos_ids, args, run.device, autocast)
+                          for i in range(0, len(eval_rows), n)])
+
+    # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
+    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)  # the same order in every process
+    first_step = begin_training(args, run, policy, optimizer, schedule, batches)
+
+    def run_eval(step: int) -> dict:
+        metrics, samples = evaluate(policy, tokenizer, eos_ids, eval_rows, eval_prompts, eval_ref, args, run.device, autocast)
+        log(run, metrics, step, samples)
+        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return metrics
+
+    if sampled and not run.state:
+        log(run, {"train/generation_s": round(t_sample, 3)}, 0)
+    start = end = run.state["start"] if run.state else run_eval(0)
+    progress = tqdm(range(first_step, args.steps + 1), desc="dpo", dynamic_ncols=True, disable=run.rank > 0 or None)
+    for step in progress:
+        # 3. the DPO loss on a batch of pairs, gradients summed over micro-batches and processes
+        idx = next(batches)
+        totals = {"loss": 0.0, "rewards/chosen": 0.0, "rewards/rejected": 0.0, "rewards/accuracies": 0.0, "logps/chosen": 0.0, "logps/rejected": 0.0}
+        for k in range(args.grad_accum_steps):
+            mine = process_share(idx, run, args.batch_size, micro_batch=k)
+            missing = [i for i in mine if ref_cache[i, 0].isnan()]
+            if missing:
+                ref_cache[missing] = reference_logps(ref, [prompts[i] for i in missing], [train_rows[i] for i in missing], tokenizer, eos_ids,
+                                                     args, run.device, autocast)
+            batch = pair_batch([prompts[i] for i in mine], [train_rows[i] for i in mine], tokenizer, args.max_length, run.device, eos_ids)
+            with trained.no_sync() if isinstance(trained, DDP) and k < args.grad_accum_steps - 1 else contextlib.nullcontext():
+                with autocast:  # chosen and rejected in one concatenated forward pass
+                    policy_chosen, policy_rejected = sequence_logps(trained, batch).chunk(2)
+                losses, chosen_rewards, rejected_rewards = dpo_loss(
+                    policy_chosen, policy_rejected, ref_cache[mine, 0], ref_cache[mine, 1], args.beta, args.loss_type, args.label_smoothing
+                )
+                if args.rpo_alpha:  # RPO: + α · (−log π_θ(y_w) / |y_w|), so the chosen answer's likelihood is kept up
+                    losses = losses - args.rpo_alpha * policy_chosen / batch["completion_mask"][: len(mine)].sum(1)
+                # the step's mean over all its pairs; DDP averages over processes, hence × world
+                loss = losses.sum() / (len(idx) / run.world)
+                loss.backward()
+            totals["loss"] += loss.item()
+            for key, value in [("rewards/chosen", chosen_rewards.mean()), ("rewards/rejected", rejected_rewards.mean()),
+                               ("rewards/accuracies", (chosen_rewards > rejected_rewards).float().mean()),
+                               ("logps/chosen", policy_chosen.mean()), ("logps/rejected", policy_rejected.mean())]:
+                totals[key] += value.item() / args.grad_accum_steps
+        totals = mean_over_processes(totals, run.device)
+        grad_norm = optimizer_step(args, run, step, [policy], optimizer, totals["loss"])
+        schedule.step()
+
+        # 4. log, evaluate, checkpoint
+        progress.set_postfix(loss=f"{totals['loss']:.4f}")
+        totals["rewards/margins"] = totals["rewards/chosen"] - totals["rewards/rejected"]
+        log(run, {**{f"train/{k}": v for k, v in totals.items()}, "train/grad_norm": grad_norm, "train/skipped_steps": run.skipped}, step)
+        if step % args.eval_every == 0 or step == args.steps:
+            end = run_eval(step)
+        maybe_checkpoint(args, run, step, policy, tokenizer, optimizer, schedule, start,
+                         lambda: {"ref_cache": merged_over_processes(ref_cache).cpu(), **({"pairs": train_rows} if sampled else {})})
+
+    finish_run(args, run, policy, tokenizer, start, end)
+
+
+# ======================================================================================================
+# Infrastructure: torchrun, checkpoints and resume, logging, signals, user errors. Not part of the method:
+# the helpers below are the same in every script (tests/test_copies.py checks it).
+# ======================================================================================================
+def start_run(args: Args, script: str) -> SimpleNamespace:
+    """What every run does before the method: a signal now exits at once (nothing to save yet), bad flags
+    stop it with one line, --resume finds its checkpoint, the seeds are set and torchrun's processes join.
+    Returns `run`: rank, world, device, checkpoint and its state (None on a fresh run), the run's name, and
+    what the loop keeps (skipped steps, the last checkpoint, stop signals, the metrics file and wandb)."""
+    t_start = time.time()  # every metrics row carries the wall time since here
+    on_stop_signal(None)
+    check_args(args)
+    probe_writable(args.output_dir)
+    checkpoint, state = load_checkpoint(args)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    rank, world, device = init_distributed()
+    if rank:  # only the first process prints, logs and saves
+        sys.stdout = open(os.devnull, "w")
+    name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
+    return SimpleNamespace(rank=rank, world=world, device=device, checkpoint=checkpoint, state=state, name=name, t_start=t_start,
+                           skipped=state["skipped"] if state else 0, last_checkpoint=checkpoint, stop=[], metrics_file=None, wandb=None)
+
+
+def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
+    """Opens the metrics file (and wandb with --track). On --resume, puts back the optimiser, the schedule,
+    the data position (the batches already drawn) and each process's RNG. From here on a signal finishes
+    the step, saves a checkpoint and exits 0. Returns the first step to run."""
+    if run.state:
+        if len(run.state["rng"]) != run.world:
+            fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
+        set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        schedule.load_state_dict(run.state["schedule"])
+        for _ in range(run.state["step"]):
+            next(batches)
+        restore_rng(run.state["rng"][run.rank])
+        print(f"resuming from {run.checkpoint} (step {run.state['step']})")
+    if run.rank == 0:
+        run.metrics_file = open_metrics(run.name, run.state["step"] if run.state else None)
+    if args.track and run.rank == 0:
+        import wandb
+
+        run.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run.name, config=asdict(args),
+                               id=run.state.get("wandb_id") if run.state else None, resume="allow")
+    on_stop_signal(run.stop)
+    return run.state["step"] + 1 if run.state else 1
+
+
+def process_share(indices: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
+    """This process's `size` rows of a step's `indices`: micro-batch k of process r is the (k·world + r)-th slice."""
+    return indices[(micro_batch * run.world + run.rank) * size :][:size]
+
+
+def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | None = None):
+    """A row of runs/<name>/metrics.jsonl (first process only) and, with --track, of wandb (samples: a table)."""
+    if run.rank:
+        return
+    run.metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}) + "\n")
+    run.metrics_file.flush()
+    if run.wandb:
+        import wandb
+
+        table = {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])} if samples else {}
+        run.wandb.log({**metrics, **table}, step=step)
+
+
+def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, optimizer, loss: float) -> float:
+    """Clips each model's gradient norm to --max-grad-norm and steps, unless the loss (the same in every
+    process) or the norm is NaN/inf: then the step is skipped (--skip-nonfinite, counted) or the run stops,
+    naming the last good checkpoint. Returns the gradient norm (summed over `models`)."""
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), args.max_grad_norm) for m in models]
+    grad_norm = sum(n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms)  # FSDP2: DTensors
+    if math.isfinite(loss) and torch.isfinite(grad_norm):
+        optimizer.step()
+    elif args.skip_nonfinite:
+        run.skipped += 1
+    else:
+        sys.exit(f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
+                 f"last good checkpoint: {run.last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item()
+
+
+def maybe_checkpoint(args: Args, run: SimpleNamespace, step: int, model, tokenizer, optimizer, schedule, start: dict, extra_state=dict):
+    """A checkpoint every --save-every steps, and when any process got a stop signal: then the run exits 0.
+    `extra_state()`: what else this script's checkpoints hold (called in every process, only when saving)."""
+    stopping = mean_over_processes({"stop": float(bool(run.stop))}, run.device)["stop"] > 0  # a signal to one stops all
+    if (args.save_every and step % args.save_every == 0) or stopping:
+        run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, {
+            "schedule": schedule.state_dict(), "run_name": run.name, "start": start, "skipped": run.skipped,
+            "wandb_id": run.wandb.id if run.wandb else None, **extra_state(),
+        })
+    if stopping:
+        print(f"stopped by {(run.stop or ['a signal to another process'])[0]} after step {step}; saved {run.last_checkpoint}; "
+              "continue with --resume latest")
+        sys.exit(0)
+
+
+def finish_run(args: Args, run: SimpleNamespace, model, tokenizer, start: dict, end: dict):
+    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs."""
+    save_final_model(model, tokenizer, args)
+    print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
+    if run.metrics_file:
+        run.metrics_file.close()
+    if run.wandb:
+        run.wandb.finish()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_distributed() -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: one process per device, NCCL on CUDA, gloo on the CPU."""
     cuda = torch.cuda.is_available()
@@ -271,6 +551,15 @@ def mean_over_processes(values: dict, device) -> dict:
     return dict(zip(values, (t / dist.get_world_size()).tolist()))
 
 
+def merged_over_processes(cache: torch.Tensor) -> torch.Tensor:
+    """Each process filled in the rows it drew (NaN elsewhere): the table with every process's rows."""
+    if not dist.is_initialized():
+        return cache
+    parts = [torch.empty_like(cache) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, cache)
+    return torch.stack(parts).nanmean(0)
+
+
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU, for rank 0 to write
 
 
@@ -285,68 +574,6 @@ def save_model(model, tokenizer, path: str, args: Args):
     if not dist.is_initialized() or dist.get_rank() == 0:
         model.save_pretrained(path, state_dict=weights)
         tokenizer.save_pretrained(path)
-
-
-# ---------------------------------------------------------------- user errors, checkpoints
-def fail(message: str):
-    """A user error: one line on stderr, exit code 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
-    """Each named flag must be a finite number > 0 (positive) or ≥ 0 (non_negative); else one error line."""
-    for names, bound in ((positive, "positive"), (non_negative, "0 or positive")):
-        for name in names:
-            value = getattr(args, name)
-            if not math.isfinite(value) or value < 0 or (value == 0 and bound == "positive"):
-                fail(f"--{name.replace('_', '-')} must be {bound} (got {value})")
-
-
-def probe_writable(directory: str):
-    """Creates `directory` and writes and removes a small file in it, so that an unwritable --output-dir
-    stops the run before any work instead of at the first save."""
-    if os.path.isfile(directory):
-        fail(f"cannot write to {directory}: it is a file, not a directory")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".write-test-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        fail(f"cannot write to {directory}: {e.strerror or e}")
-
-
-def load_failure(path: str, e: Exception) -> str:
-    """One sentence on why a model, tokenizer or checkpoint at `path` cannot be loaded, naming the file at fault."""
-    if not os.path.exists(path):
-        if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a hub id is `owner/name`
-            return f"cannot load model {path!r}: no such file or directory"
-        return f"cannot load model {path!r} from the hub: {common.error_reason(e)}"
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        return f"cannot load model {path!r}: it is not a model directory (no config.json)"
-    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
-        file = os.path.join(path, name)
-        try:  # which file is cut short or corrupt?
-            if name.endswith(".safetensors"):
-                with safe_open(file, "pt"):
-                    pass
-            elif name.endswith(".json"):
-                with open(file) as f:
-                    json.load(f)
-        except Exception as bad:
-            return f"cannot load model {path!r}: {file} is corrupt or cut short ({common.error_reason(bad)})"
-    return f"cannot load model {path!r}: {common.error_reason(e)}"
-
-
-def write_failed(path: str, e: Exception, output_dir: str):
-    """A write that failed (disk full, permissions): its partial directory is removed and the run stops with
-    one line naming the last complete checkpoint; files written before are untouched."""
-    shutil.rmtree(path, ignore_errors=True)
-    last = (checkpoints(output_dir) or ["none"])[-1]
-    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
-             f"last complete checkpoint: {last}")
 
 
 def save_final_model(model, tokenizer, args: Args):
@@ -368,34 +595,6 @@ def save_final_model(model, tokenizer, args: Args):
             os.rmdir(tmp)
     except Exception as e:
         write_failed(tmp, e, args.output_dir)
-
-
-def on_stop_signal(stop: list | None):
-    """SIGINT/SIGTERM. During set-up (`stop` None): exit 0 at once, there is nothing to save yet. During
-    training: the signal's name goes into `stop`, the step finishes, a checkpoint is saved and the run exits 0;
-    a second signal stops at once."""
-
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
-        if stop is None:
-            print(f"stopped by {name} during set-up; nothing to save")
-            sys.exit(0)
-        stop.append(name)
-        signal.signal(signum, signal.SIG_DFL)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
-
-
-def check_args(args: Args):
-    """Invalid flag values stop the run at once, before any model is loaded."""
-    check_ranges(args, ["steps", "batch_size", "grad_accum_steps", "lr", "warmup_steps", "max_grad_norm", "beta", "sample_temperature",
-                        "max_length", "eval_every", "eval_size", "max_new_tokens", "keep_checkpoints"],
-                 ["rpo_alpha", "seed", "save_every"])
-    if not 0 <= args.label_smoothing < 0.5:
-        fail(f"--label-smoothing must be in [0, 0.5) (got {args.label_smoothing})")
-    if args.sample_pairs == 1 or args.sample_pairs < 0:
-        fail(f"--sample-pairs must be 0 (the fixed pairs) or at least 2 samples per prompt (got {args.sample_pairs})")
 
 
 def checkpoints(output_dir: str) -> list[str]:
@@ -504,216 +703,93 @@ def open_metrics(run_name: str, resumed_step: int | None):
     return open(path, "a")
 
 
-def main(args: Args):
-    on_stop_signal(None)  # a signal during set-up exits at once: nothing to save yet
-    check_args(args)
-    probe_writable(args.output_dir)
-    t_start = time.time()  # every metrics row carries the wall time since here
-    checkpoint, state = load_checkpoint(args)
-    run_name = state["run_name"] if state else args.run_name or f"dpo__{args.seed}__{int(time.time())}"
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    rank, world, device = init_distributed()
-    if rank:  # only the first process prints, logs and saves
-        sys.stdout = open(os.devnull, "w")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+def on_stop_signal(stop: list | None):
+    """SIGINT/SIGTERM. During set-up (`stop` None): exit 0 at once, there is nothing to save yet. During
+    training: the signal's name goes into `stop`, the step finishes, a checkpoint is saved and the run exits 0;
+    a second signal stops at once."""
 
-    if args.model == "models/sft" and not os.path.isfile("models/sft/config.json"):  # (an interrupted sft.py leaves it empty)
-        fail("models/sft not found: run `python sft.py` first (or pass --model)")
-    try:
-        path = args.model
-        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
-        path = checkpoint or args.model
-        policy = load_model(path, args.trust_remote_code).to(device).train()
-        # π_ref: the starting policy (also on resume), frozen, eval mode, never with gradients; bf16 with --bf16
-        path = args.ref_model or args.model
-        ref = load_model(path, args.trust_remote_code) if args.ref_model or checkpoint else copy.deepcopy(policy)
-    except Exception as e:
-        fail(load_failure(path, e))
-    if tokenizer.pad_token is None:  # masks come from lengths, so padding with EOS is safe
-        tokenizer.pad_token = tokenizer.eos_token
-        print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
-    eos_ids = common.eos_token_ids(tokenizer, policy.generation_config)  # completions end at the first of any
-    ref.to(device).requires_grad_(False).eval()
-    if args.bf16:
-        ref.to(torch.bfloat16)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    trained = wrap(policy, args, device)  # the training forward goes through the DDP/FSDP2 wrapper
-
-    train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
-    eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
-    has_answers = all(r.get("answer") is not None for r in eval_rows)
-    eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_length, left_truncate=True)
-    print(f"policy {args.model} on {device} × {world}; {len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}")
-    step_rows = args.batch_size * args.grad_accum_steps * world
-    sampled = bool(state and "pairs" in state)
-    if sampled:  # resumed: the very pairs the run started with (the reference cache indexes them)
-        train_rows = state["pairs"]
-    elif args.sample_pairs and all(r.get("answer") is not None for r in train_rows[:1000]):
-        # On-policy pairs: the fixed pairs' slips are answers π_ref itself rarely gives, so pushing them
-        # down barely moves its greedy answers; its own right and wrong samples do (see README).
-        t_sample, n_prompts = time.time(), min(len(train_rows), 2 * args.steps * step_rows)  # ~60% of prompts give a pair
-        mine = slice(rank * n_prompts // world, (rank + 1) * n_prompts // world)
-        with autocast:
-            mine_prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows[mine]], max_length=args.max_length, left_truncate=True)
-            pairs = sample_pairs(ref, tokenizer, mine_prompts, train_rows[mine], args.sample_pairs, args.sample_temperature,
-                                 args.max_new_tokens, 8 * args.batch_size, device, show_progress=rank == 0)
-        shares = [pairs]
-        if dist.is_initialized():  # every process trains on the same pairs
-            shares = [None] * world
-            dist.all_gather_object(shares, pairs)
-        train_rows, sampled, t_sample = [pair for share in shares for pair in share], True, time.time() - t_sample
-        print(f"sampled {args.sample_pairs} completions at T={args.sample_temperature} for each of {n_prompts} prompts from π_ref: "
-              f"{len(train_rows)} prompts had a right and a wrong one → training pairs ({t_sample:.0f} s)")
-    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
-    if len(train_rows) < step_rows:
-        fail(f"{len(train_rows)} training pairs are fewer than one step's {step_rows} (batch size × accumulation steps × processes)")
-
-    @torch.no_grad()
-    def ref_logps(prompt_ids, rows) -> torch.Tensor:
-        with autocast:
-            return sequence_logps(ref, pair_batch(prompt_ids, rows, tokenizer, args.max_length, device, eos_ids)).float()
-
-    # Reference log-probs: computed once per pair, the first time it is drawn, then reused every epoch.
-    ref_cache = state["ref_cache"].to(device) if state else torch.full((len(train_rows), 2), float("nan"), device=device)
-    n = args.batch_size  # evaluation never takes more memory than a training batch
-    eval_ref = torch.cat([ref_logps(eval_prompts[i : i + n], eval_rows[i : i + n]).view(2, -1).T for i in range(0, len(eval_rows), n)])
-
-    # fused: the whole update in one kernel, without foreach's parameter-sized temporaries (transformers' default too)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
-    if state:
-        if len(state["rng"]) != world:
-            fail(f"{checkpoint} was written by {len(state['rng'])} processes; resume it with as many")
-        set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-        schedule.load_state_dict(state["schedule"])
-        print(f"resuming from {checkpoint} (step {state['step']})")
-    metrics_file = open_metrics(run_name, state["step"] if state else None) if rank == 0 else None
-    if args.track and rank == 0:
-        import wandb
-
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args),
-                   id=state.get("wandb_id") if state else None, resume="allow")
-
-    def log(metrics: dict, step: int, samples=None):
-        if rank:
-            return
-        metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - t_start, 3)}) + "\n")
-        metrics_file.flush()
-        if args.track:
-            table = {"samples": wandb.Table(columns=["prompt", "completion", "answer"], data=samples)} if samples else {}
-            wandb.log({**metrics, **table}, step=step)
-
-    @torch.no_grad()
-    def evaluate(step: int) -> dict:
-        """Held-out preference accuracy of the implicit reward, and greedy accuracy when answers exist."""
-        policy.eval()
-        wins, correct, samples = [], [], []
-        for i in range(0, len(eval_rows), n):
-            rows = eval_rows[i : i + n]
-            batch = pair_batch(eval_prompts[i : i + n], rows, tokenizer, args.max_length, device, eos_ids)
-            with autocast:
-                chosen, rejected = sequence_logps(policy, batch).float().chunk(2)
-            wins += ((chosen - eval_ref[i : i + n, 0]) > (rejected - eval_ref[i : i + n, 1])).tolist()
-            if has_answers:
-                P, B = batch["prompt_ids"].shape[1], len(rows)
-                with autocast:
-                    out = generate_exactly(
-                        policy, batch["prompt_ids"][:B], batch["prompt_mask"][:B], synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: lockstep
-                        do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids,
-                    )
-                texts = tokenizer.batch_decode(out[:, P:], skip_special_tokens=True)
-                correct += [common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)]
-                samples += [[r["prompt"], t, r["answer"]] for r, t in zip(rows, texts)][: max(0, 5 - len(samples))]
-        policy.train()
-        metrics = {"eval/rewards/accuracies": float(np.mean(wins))}
-        if has_answers:
-            metrics["eval/accuracy"] = float(np.mean(correct))
-        log(metrics, step, samples)
-        return metrics
-
-    if sampled and not state:
-        log({"time/generation_s": round(t_sample, 3)}, 0)
-    start = state["start"] if state else evaluate(0)
-    print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
-    end, last_checkpoint, skipped = start, checkpoint, state["skipped"] if state else 0
-    first_step = state["step"] + 1 if state else 1
-    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)  # the same order in every process
-    for _ in range(first_step - 1):  # the data position: batches already drawn
-        next(batches)
-    if state:
-        restore_rng(state["rng"][rank])
-    stop = []  # from here on a signal finishes the step, saves a checkpoint and exits 0
-    on_stop_signal(stop)
-    progress = tqdm(range(first_step, args.steps + 1), desc="dpo", dynamic_ncols=True, disable=rank > 0 or None)
-    for step in progress:
-        idx = next(batches)
-        totals = {"loss": 0.0, "rewards/chosen": 0.0, "rewards/rejected": 0.0, "rewards/accuracies": 0.0, "logps/chosen": 0.0, "logps/rejected": 0.0}
-        for k in range(args.grad_accum_steps):
-            mine = idx[(k * world + rank) * args.batch_size :][: args.batch_size]  # this process's share
-            missing = [i for i in mine if ref_cache[i, 0].isnan()]
-            if missing:
-                ref_cache[missing] = ref_logps([prompts[i] for i in missing], [train_rows[i] for i in missing]).view(2, -1).T
-            batch = pair_batch([prompts[i] for i in mine], [train_rows[i] for i in mine], tokenizer, args.max_length, device, eos_ids)
-            with trained.no_sync() if isinstance(trained, DDP) and k < args.grad_accum_steps - 1 else contextlib.nullcontext():
-                with autocast:  # chosen and rejected in one concatenated forward pass
-                    policy_chosen, policy_rejected = sequence_logps(trained, batch).chunk(2)
-                losses, chosen_rewards, rejected_rewards = dpo_loss(
-                    policy_chosen, policy_rejected, ref_cache[mine, 0], ref_cache[mine, 1], args.beta, args.loss_type, args.label_smoothing
-                )
-                if args.rpo_alpha:  # RPO: + α · (−log π_θ(y_w) / |y_w|), so the chosen answer's likelihood is kept up
-                    losses = losses - args.rpo_alpha * policy_chosen / batch["completion_mask"][: len(mine)].sum(1)
-                # the step's mean over all its pairs; DDP averages over processes, hence × world
-                loss = losses.sum() / (len(idx) / world)
-                loss.backward()
-            totals["loss"] += loss.item()
-            for key, value in [("rewards/chosen", chosen_rewards.mean()), ("rewards/rejected", rejected_rewards.mean()),
-                               ("rewards/accuracies", (chosen_rewards > rejected_rewards).float().mean()),
-                               ("logps/chosen", policy_chosen.mean()), ("logps/rejected", policy_rejected.mean())]:
-                totals[key] += value.item() / args.grad_accum_steps
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
-        metrics = mean_over_processes({**totals, "stop": float(bool(stop))}, device)
-        stopping = metrics.pop("stop")
-        if math.isfinite(metrics["loss"]) and torch.isfinite(grad_norm):
-            optimizer.step()
-        elif args.skip_nonfinite:
-            skipped += 1
-        else:
-            sys.exit(f"error: non-finite loss ({metrics['loss']}) or gradient norm ({grad_norm.item()}) at step {step}; "
-                     f"last good checkpoint: {last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-        progress.set_postfix(loss=f"{metrics['loss']:.4f}")
-        metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
-        log({"train/loss": metrics.pop("loss"), "train/grad_norm": grad_norm.item(), "train/skipped_steps": skipped, **metrics}, step)
-        if step % args.eval_every == 0 or step == args.steps:
-            end = evaluate(step)
-            tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()))
-        if (args.save_every and step % args.save_every == 0) or stopping:  # a signal to any process stops all
-            cache = ref_cache
-            if dist.is_initialized():  # each process cached its own pairs: merge them
-                parts = [torch.empty_like(ref_cache) for _ in range(world)]
-                dist.all_gather(parts, ref_cache)
-                cache = torch.stack(parts).nanmean(0)
-            last_checkpoint = save_checkpoint(args, step, policy, tokenizer, optimizer, {
-                "schedule": schedule.state_dict(), "run_name": run_name, "start": start, "skipped": skipped,
-                "ref_cache": cache.cpu(), **({"pairs": train_rows} if sampled else {}), "wandb_id": wandb.run.id if args.track and rank == 0 else None,
-            })
-        if stopping:
-            print(f"stopped by {(stop or ['a signal to another process'])[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if stop is None:
+            print(f"stopped by {name} during set-up; nothing to save")
             sys.exit(0)
+        stop.append(name)
+        signal.signal(signum, signal.SIG_DFL)
 
-    save_final_model(policy, tokenizer, args)
-    print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
-    if rank == 0:
-        metrics_file.close()
-    if args.track and rank == 0:
-        wandb.finish()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def check_args(args: Args):
+    """Invalid flag values stop the run at once, before any model is loaded."""
+    check_ranges(args, ["steps", "batch_size", "grad_accum_steps", "lr", "warmup_steps", "max_grad_norm", "beta", "sample_temperature",
+                        "max_length", "eval_every", "eval_size", "max_new_tokens", "keep_checkpoints"],
+                 ["rpo_alpha", "seed", "save_every"])
+    if not 0 <= args.label_smoothing < 0.5:
+        fail(f"--label-smoothing must be in [0, 0.5) (got {args.label_smoothing})")
+    if args.sample_pairs == 1 or args.sample_pairs < 0:
+        fail(f"--sample-pairs must be 0 (the fixed pairs) or at least 2 samples per prompt (got {args.sample_pairs})")
+
+
+def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
+    """Each named flag must be a finite number > 0 (positive) or ≥ 0 (non_negative); else one error line."""
+    for names, bound in ((positive, "positive"), (non_negative, "0 or positive")):
+        for name in names:
+            value = getattr(args, name)
+            if not math.isfinite(value) or value < 0 or (value == 0 and bound == "positive"):
+                fail(f"--{name.replace('_', '-')} must be {bound} (got {value})")
+
+
+def fail(message: str):
+    """A user error: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def probe_writable(directory: str):
+    """Creates `directory` and writes and removes a small file in it, so that an unwritable --output-dir
+    stops the run before any work instead of at the first save."""
+    if os.path.isfile(directory):
+        fail(f"cannot write to {directory}: it is a file, not a directory")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        fail(f"cannot write to {directory}: {e.strerror or e}")
+
+
+def load_failure(path: str, e: Exception) -> str:
+    """One sentence on why a model, tokenizer or checkpoint at `path` cannot be loaded, naming the file at fault."""
+    if not os.path.exists(path):
+        if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a hub id is `owner/name`
+            return f"cannot load model {path!r}: no such file or directory"
+        return f"cannot load model {path!r} from the hub: {common.error_reason(e)}"
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        return f"cannot load model {path!r}: it is not a model directory (no config.json)"
+    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+        file = os.path.join(path, name)
+        try:  # which file is cut short or corrupt?
+            if name.endswith(".safetensors"):
+                with safe_open(file, "pt"):
+                    pass
+            elif name.endswith(".json"):
+                with open(file) as f:
+                    json.load(f)
+        except Exception as bad:
+            return f"cannot load model {path!r}: {file} is corrupt or cut short ({common.error_reason(bad)})"
+    return f"cannot load model {path!r}: {common.error_reason(e)}"
+
+
+def write_failed(path: str, e: Exception, output_dir: str):
+    """A write that failed (disk full, permissions): its partial directory is removed and the run stops with
+    one line naming the last complete checkpoint; files written before are untouched."""
+    shutil.rmtree(path, ignore_errors=True)
+    last = (checkpoints(output_dir) or ["none"])[-1]
+    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
+             f"last complete checkpoint: {last}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Literal
 
 import numpy as np
@@ -45,32 +46,31 @@ import common
 
 @dataclass
 class Args:
+    # models and data
     model: str = "models/sft"
     """policy to start from (hub id or path); also the frozen reference π_ref"""
+    reward_model: str | None = None
+    """score completions with this sequence-classification model instead of checking answers"""
     dataset: str = "arithmetic"
     """`arithmetic` (built-in), `openai/gsm8k`, another hub id, or a local .jsonl/.json/.parquet prompt file"""
     dataset_config: str | None = None
     """the hub dataset's configuration name, if it has several"""
-    reward_model: str | None = None
-    """score completions with this sequence-classification model instead of checking answers"""
+    max_prompt_length: int = 512
+    """prompts are left-truncated to this many tokens"""
     output_dir: str = "models/grpo"
     """where the trained policy and tokenizer are saved"""
-    steps: int = 300
-    """optimisation rounds; each samples prompts_per_step × group_size completions"""
+    trust_remote_code: bool = False
+    """allow model repositories to run their own code"""
+    # sampling: G completions per prompt at temperature T
     prompts_per_step: int = 64
     """prompts sampled per round and process (each prompt's whole group stays in its process)"""
     group_size: int = 8
     """G: completions sampled per prompt"""
-    num_iterations: int = 1
-    """μ: optimiser steps on each generated batch (1: old log-probs are the current ones, detached)"""
-    micro_batch_size: int = 256
-    """sequences per forward/backward pass (gradients are accumulated over the whole batch)"""
-    lr: float = 2e-4
-    """learning rate (AdamW)"""
-    warmup_steps: int = 10
-    """linear warm-up steps"""
-    max_grad_norm: float = 1.0
-    """gradient clipping threshold (global L2 norm)"""
+    temperature: float = 0.7
+    """sampling temperature (log-probs are computed at the same temperature)"""
+    max_new_tokens: int = 8
+    """completion length limit"""
+    # the objective: clipped ratio ρ, KL to π_ref, advantages Â
     clip_eps: float = 0.2
     """ε: the ratio ρ is clipped to [1−ε, 1+ε]"""
     beta: float = 0.04
@@ -81,16 +81,25 @@ class Args:
     """divide advantages by the group's reward std (off: Dr. GRPO)"""
     format_reward: float = 0.0
     """bonus for a completion that ends with EOS and contains a number (rule-based rewards only)"""
-    temperature: float = 0.7
-    """sampling temperature (log-probs are computed at the same temperature)"""
-    max_new_tokens: int = 8
-    """completion length limit"""
-    max_prompt_length: int = 512
-    """prompts are left-truncated to this many tokens"""
+    # optimisation
+    steps: int = 300
+    """optimisation rounds; each samples prompts_per_step × group_size completions"""
+    num_iterations: int = 1
+    """μ: optimiser steps on each generated batch (1: old log-probs are the current ones, detached)"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward pass (gradients are accumulated over the whole batch)"""
+    lr: float = 2e-4
+    """learning rate (AdamW)"""
+    warmup_steps: int = 10
+    """linear warm-up steps"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold (global L2 norm)"""
+    # evaluation
     eval_every: int = 50
     """evaluate greedy completions on the held-out split every this many rounds (and at the end)"""
     eval_size: int = 500
     """held-out prompts used for evaluation"""
+    # run: precision, processes, logging, checkpoints
     seed: int = 1
     """seed for torch, python and numpy"""
     bf16: bool = torch.cuda.is_available()
@@ -99,8 +108,6 @@ class Args:
     """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
     gradient_checkpointing: bool = False
     """recompute activations during the backward pass: much less memory for long sequences, ~1/3 more compute"""
-    trust_remote_code: bool = False
-    """allow model repositories to run their own code"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "align"
@@ -119,7 +126,7 @@ class Args:
     """skip optimiser steps whose loss or gradient norm is NaN/inf (counted) instead of stopping"""
 
 
-# ---------------------------------------------------------------- math
+# ---------------------------------------------------------------- the math
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log π(y_t | ·) of the given tokens at sampling temperature T: logits [B,T,V], tokens [B,T] → [B,T].
 
@@ -199,21 +206,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, clip_eps=0.2, beta=
     return loss, stats
 
 
-# ---------------------------------------------------------------- helpers
-@torch.no_grad()
-def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
-    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
-    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
-    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
-    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
-    own = model.generation_config
-    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
-    try:
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
-    finally:
-        model.generation_config = own
-
-
+# ---------------------------------------------------------------- the method's helpers
 def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs):
     """A model in fp32 (master weights) with every dropout probability in its config at 0."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
@@ -239,10 +232,33 @@ def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
         return model, None
     if common.same_tokenizer(tokenizer, own):
         return model, None
-    if own.pad_token is None:
-        own.pad_token = own.eos_token
     print(f"note: the reward model {path} has its own tokenizer: completions are decoded and re-tokenized for it")
     return model, own
+
+
+def load_models(args: Args, run: SimpleNamespace):
+    """The tokenizer, π_θ (from the checkpoint on resume), π_ref (the starting policy, frozen; none when β = 0)
+    and r_ϕ with its tokenizer (None: rule-based rewards). Frozen models are held in bf16 with --bf16."""
+    if args.model == "models/sft" and not os.path.isfile("models/sft/config.json"):  # (an interrupted sft.py leaves it empty)
+        fail("models/sft not found: run `python sft.py` first (or pass --model)")
+    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    ref, reward_model, rm_tokenizer = None, None, None
+    try:
+        path = args.model
+        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+        path = run.checkpoint or args.model
+        policy = load_model(path, args.trust_remote_code).to(run.device)
+        if args.beta != 0:
+            path = args.model
+            ref = load_model(path, args.trust_remote_code) if run.checkpoint else copy.deepcopy(policy)
+            ref.to(run.device, frozen_dtype).requires_grad_(False).eval()
+        if args.reward_model:
+            path = args.reward_model
+            reward_model, rm_tokenizer = load_reward_model(path, tokenizer, args.trust_remote_code)
+            reward_model.to(run.device, frozen_dtype).requires_grad_(False).eval()
+    except Exception as e:
+        fail(load_failure(path, e))
+    return tokenizer, policy, ref, reward_model, rm_tokenizer
 
 
 def forward_logps(model, input_ids, attention_mask, completion_ids, temperature: float) -> torch.Tensor:
@@ -258,6 +274,20 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torc
     """1 up to and including the first EOS (any of eos_ids), 0 after: built from positions, so pad == EOS is harmless."""
     is_eos = torch.isin(completion_ids, torch.as_tensor(eos_ids, device=completion_ids.device)).long()
     return ((is_eos.cumsum(1) - is_eos) == 0).long()
+
+
+@torch.no_grad()
+def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
+    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
+    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
+    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
+    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
+    own = model.generation_config
+    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
+    try:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
+    finally:
+        model.generation_config = own
 
 
 @torch.no_grad()
@@ -299,7 +329,247 @@ def score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokeni
     return torch.tensor(rewards, device=input_ids.device)
 
 
-# ---------------------------------------------------------------- several processes (torchrun)
+@torch.no_grad()
+def evaluate(policy, tokenizer, eos_ids, rows, prompts, reward_model, rm_tokenizer, args: Args, device, autocast) -> tuple[dict, list]:
+    """Greedy completions on held-out prompts: accuracy when answers exist, and the mean reward; a few samples."""
+    policy.eval()
+    rewards, correct, samples = [], [], []
+    for i in range(0, len(rows), 128):
+        batch_rows = rows[i : i + 128]
+        ids, mask = (t.to(device) for t in common.pad(prompts[i : i + 128], tokenizer.pad_token_id, "left"))
+        with autocast:
+            completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
+            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            r = score(batch_rows, texts, torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1), ended, reward_model, rm_tokenizer, args)
+        rewards += r.tolist()
+        if all(x["answer"] is not None for x in batch_rows):
+            correct += [common.is_correct(t, x["answer"]) for t, x in zip(texts, batch_rows)]
+        samples += [{"prompt": x["prompt"], "completion": t, "reward": v} for x, t, v in zip(batch_rows, texts, r.tolist())][: max(0, 5 - len(samples))]
+    policy.train()
+    metrics = {"eval/reward": float(np.mean(rewards))}
+    if len(correct) == len(rows):
+        metrics["eval/accuracy"] = float(np.mean(correct))
+    return metrics, samples
+
+
+def main(args: Args):
+    run = start_run(args, "grpo")  # flags checked, --resume found, seeds set, torchrun's processes joined
+    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    tokenizer, policy, ref, reward_model, rm_tokenizer = load_models(args, run)
+    eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=run.device)  # every id that ends a completion
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trained = wrap(policy, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
+    if run.world > 1:  # every process samples its own completions
+        torch.manual_seed(args.seed + run.rank)
+
+    train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
+    if reward_model is None and any(r["answer"] is None for r in train_rows + eval_rows):
+        fail(f"dataset '{args.dataset}' has rows without an answer column; pass --reward-model to score completions")
+    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_prompt_length, left_truncate=True)
+    eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_prompt_length, left_truncate=True)
+    print(f"policy {args.model} on {run.device} × {run.world}; {len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
+    if len(train_rows) < args.prompts_per_step * run.world:
+        fail(f"{len(train_rows)} training prompts are fewer than one step's {args.prompts_per_step * run.world} (prompts per step × processes)")
+
+    # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
+    batches = common.shuffled_batches(len(train_rows), args.prompts_per_step * run.world, args.seed)  # the same order everywhere
+    first_step = begin_training(args, run, policy, optimizer, schedule, batches)
+
+    def run_eval(step: int) -> dict:
+        metrics, samples = evaluate(policy, tokenizer, eos_ids, eval_rows, eval_prompts, reward_model, rm_tokenizer, args, run.device, autocast)
+        log(run, metrics, step, samples)
+        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return metrics
+
+    start = end = run.state["start"] if run.state else run_eval(0)
+    G = args.group_size
+    progress = tqdm(range(first_step, args.steps + 1), desc="grpo", dynamic_ncols=True, disable=run.rank > 0 or None)
+    for step in progress:
+        # 1. sample G completions for each of this process's N prompts from π_θold (the current policy)
+        idx = process_share(next(batches), run, args.prompts_per_step)
+        group_prompts = [prompts[i] for i in idx for _ in range(G)]  # rows i*G … i*G+G-1: one prompt's group
+        prompt_ids, prompt_mask = (t.to(run.device) for t in common.pad(group_prompts, tokenizer.pad_token_id, "left"))
+        t0 = time.time()
+        policy.eval()
+        with autocast:
+            completion_ids, mask, ended = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
+        policy.train()
+        gen_time = time.time() - t0
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
+
+        # 2. rewards r_i and group-relative advantages Â_i
+        rows = [train_rows[i] for i in idx for _ in range(G)]
+        with autocast:
+            rewards = score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokenizer, args)
+        advantages = group_advantages(rewards, G, scale=args.scale_rewards)
+
+        # 3. reference (and, for μ > 1, old) log-probs: once per batch, without gradients
+        micro = [slice(i, i + args.micro_batch_size) for i in range(0, len(input_ids), args.micro_batch_size)]
+        with torch.no_grad(), autocast:
+            ref_logps = [forward_logps(ref, input_ids[s], attention_mask[s], completion_ids[s], args.temperature) for s in micro] if ref else None
+            old_logps = [forward_logps(policy, input_ids[s], attention_mask[s], completion_ids[s], args.temperature) for s in micro] if args.num_iterations > 1 else None
+
+        # 4. μ optimiser steps on the clipped objective, gradients accumulated over micro-batches
+        batch_tokens = mask.sum().float()  # dapo averages over every token of the step, in all processes
+        if dist.is_initialized():
+            dist.all_reduce(batch_tokens)
+            batch_tokens /= run.world  # DDP averages the processes' gradients
+        for _ in range(args.num_iterations):
+            totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+            for k, s in enumerate(micro):
+                with trained.no_sync() if isinstance(trained, DDP) and k < len(micro) - 1 else contextlib.nullcontext():
+                    with autocast:
+                        logps = forward_logps(trained, input_ids[s], attention_mask[s], completion_ids[s], args.temperature)
+                    old = old_logps[k] if old_logps else logps.detach()  # μ = 1: ρ = 1, no extra forward pass
+                    loss, stats = grpo_loss(
+                        logps, old, ref_logps[k] if ref else None, advantages[s], mask[s], args.clip_eps, args.beta,
+                        args.loss_type, args.max_new_tokens,
+                    )
+                    # each micro-batch's share of the batch loss: its tokens (dapo) or its sequences (grpo, dr_grpo)
+                    weight = mask[s].sum() / batch_tokens if args.loss_type == "dapo" else len(logps) / len(input_ids)
+                    (loss * weight).backward()
+                totals["loss"] += loss.item() * float(weight)
+                for key in stats:
+                    totals[key] += stats[key].item() * len(logps) / len(input_ids)
+            totals = mean_over_processes(totals, run.device)
+            grad_norm = optimizer_step(args, run, step, [policy], optimizer, totals["loss"])
+        schedule.step()
+
+        # 5. log, evaluate, checkpoint
+        groups = rewards.view(-1, G)
+        metrics = mean_over_processes({
+            "train/loss": totals["loss"], "train/grad_norm": grad_norm, "train/clip_fraction": totals["clip_fraction"],
+            "train/kl": totals["kl"], "train/reward_mean": rewards.mean().item(), "train/reward_std": rewards.std().item(),
+            "train/frac_groups_equal_reward": (groups.max(1).values == groups.min(1).values).float().mean().item(),
+            "train/completion_length": mask.sum(1).float().mean().item(),
+            "train/frac_hit_length_limit": 1 - ended.float().mean().item(),
+            "train/skipped_steps": run.skipped, "train/generation_s": gen_time,
+        }, run.device)
+        log(run, metrics, step)
+        progress.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", kl=f"{metrics['train/kl']:.4f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            end = run_eval(step)
+        maybe_checkpoint(args, run, step, policy, tokenizer, optimizer, schedule, start)
+
+    finish_run(args, run, policy, tokenizer, start, end)
+
+
+# ======================================================================================================
+# Infrastructure: torchrun, checkpoints and resume, logging, signals, user errors. Not part of the method:
+# the helpers below are the same in every script (tests/test_copies.py checks it).
+# ======================================================================================================
+def start_run(args: Args, script: str) -> SimpleNamespace:
+    """What every run does before the method: a signal now exits at once (nothing to save yet), bad flags
+    stop it with one line, --resume finds its checkpoint, the seeds are set and torchrun's processes join.
+    Returns `run`: rank, world, device, checkpoint and its state (None on a fresh run), the run's name, and
+    what the loop keeps (skipped steps, the last checkpoint, stop signals, the metrics file and wandb)."""
+    t_start = time.time()  # every metrics row carries the wall time since here
+    on_stop_signal(None)
+    check_args(args)
+    probe_writable(args.output_dir)
+    checkpoint, state = load_checkpoint(args)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    rank, world, device = init_distributed()
+    if rank:  # only the first process prints, logs and saves
+        sys.stdout = open(os.devnull, "w")
+    name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
+    return SimpleNamespace(rank=rank, world=world, device=device, checkpoint=checkpoint, state=state, name=name, t_start=t_start,
+                           skipped=state["skipped"] if state else 0, last_checkpoint=checkpoint, stop=[], metrics_file=None, wandb=None)
+
+
+def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
+    """Opens the metrics file (and wandb with --track). On --resume, puts back the optimiser, the schedule,
+    the data position (the batches already drawn) and each process's RNG. From here on a signal finishes
+    the step, saves a checkpoint and exits 0. Returns the first step to run."""
+    if run.state:
+        if len(run.state["rng"]) != run.world:
+            fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
+        set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        schedule.load_state_dict(run.state["schedule"])
+        for _ in range(run.state["step"]):
+            next(batches)
+        restore_rng(run.state["rng"][run.rank])
+        print(f"resuming from {run.checkpoint} (step {run.state['step']})")
+    if run.rank == 0:
+        run.metrics_file = open_metrics(run.name, run.state["step"] if run.state else None)
+    if args.track and run.rank == 0:
+        import wandb
+
+        run.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run.name, config=asdict(args),
+                               id=run.state.get("wandb_id") if run.state else None, resume="allow")
+    on_stop_signal(run.stop)
+    return run.state["step"] + 1 if run.state else 1
+
+
+def process_share(indices: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
+    """This process's `size` rows of a step's `indices`: micro-batch k of process r is the (k·world + r)-th slice."""
+    return indices[(micro_batch * run.world + run.rank) * size :][:size]
+
+
+def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | None = None):
+    """A row of runs/<name>/metrics.jsonl (first process only) and, with --track, of wandb (samples: a table)."""
+    if run.rank:
+        return
+    run.metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}) + "\n")
+    run.metrics_file.flush()
+    if run.wandb:
+        import wandb
+
+        table = {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])} if samples else {}
+        run.wandb.log({**metrics, **table}, step=step)
+
+
+def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, optimizer, loss: float) -> float:
+    """Clips each model's gradient norm to --max-grad-norm and steps, unless the loss (the same in every
+    process) or the norm is NaN/inf: then the step is skipped (--skip-nonfinite, counted) or the run stops,
+    naming the last good checkpoint. Returns the gradient norm (summed over `models`)."""
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), args.max_grad_norm) for m in models]
+    grad_norm = sum(n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms)  # FSDP2: DTensors
+    if math.isfinite(loss) and torch.isfinite(grad_norm):
+        optimizer.step()
+    elif args.skip_nonfinite:
+        run.skipped += 1
+    else:
+        sys.exit(f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
+                 f"last good checkpoint: {run.last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item()
+
+
+def maybe_checkpoint(args: Args, run: SimpleNamespace, step: int, model, tokenizer, optimizer, schedule, start: dict, extra_state=dict):
+    """A checkpoint every --save-every steps, and when any process got a stop signal: then the run exits 0.
+    `extra_state()`: what else this script's checkpoints hold (called in every process, only when saving)."""
+    stopping = mean_over_processes({"stop": float(bool(run.stop))}, run.device)["stop"] > 0  # a signal to one stops all
+    if (args.save_every and step % args.save_every == 0) or stopping:
+        run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, {
+            "schedule": schedule.state_dict(), "run_name": run.name, "start": start, "skipped": run.skipped,
+            "wandb_id": run.wandb.id if run.wandb else None, **extra_state(),
+        })
+    if stopping:
+        print(f"stopped by {(run.stop or ['a signal to another process'])[0]} after step {step}; saved {run.last_checkpoint}; "
+              "continue with --resume latest")
+        sys.exit(0)
+
+
+def finish_run(args: Args, run: SimpleNamespace, model, tokenizer, start: dict, end: dict):
+    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs."""
+    save_final_model(model, tokenizer, args)
+    print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
+    if run.metrics_file:
+        run.metrics_file.close()
+    if run.wandb:
+        run.wandb.finish()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_distributed() -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: one process per device, NCCL on CUDA, gloo on the CPU."""
     cuda = torch.cuda.is_available()
@@ -350,68 +620,6 @@ def save_model(model, tokenizer, path: str, args: Args):
         tokenizer.save_pretrained(path)
 
 
-# ---------------------------------------------------------------- user errors, checkpoints
-def fail(message: str):
-    """A user error: one line on stderr, exit code 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
-    """Each named flag must be a finite number > 0 (positive) or ≥ 0 (non_negative); else one error line."""
-    for names, bound in ((positive, "positive"), (non_negative, "0 or positive")):
-        for name in names:
-            value = getattr(args, name)
-            if not math.isfinite(value) or value < 0 or (value == 0 and bound == "positive"):
-                fail(f"--{name.replace('_', '-')} must be {bound} (got {value})")
-
-
-def probe_writable(directory: str):
-    """Creates `directory` and writes and removes a small file in it, so that an unwritable --output-dir
-    stops the run before any work instead of at the first save."""
-    if os.path.isfile(directory):
-        fail(f"cannot write to {directory}: it is a file, not a directory")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".write-test-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        fail(f"cannot write to {directory}: {e.strerror or e}")
-
-
-def load_failure(path: str, e: Exception) -> str:
-    """One sentence on why a model, tokenizer or checkpoint at `path` cannot be loaded, naming the file at fault."""
-    if not os.path.exists(path):
-        if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a hub id is `owner/name`
-            return f"cannot load model {path!r}: no such file or directory"
-        return f"cannot load model {path!r} from the hub: {common.error_reason(e)}"
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        return f"cannot load model {path!r}: it is not a model directory (no config.json)"
-    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
-        file = os.path.join(path, name)
-        try:  # which file is cut short or corrupt?
-            if name.endswith(".safetensors"):
-                with safe_open(file, "pt"):
-                    pass
-            elif name.endswith(".json"):
-                with open(file) as f:
-                    json.load(f)
-        except Exception as bad:
-            return f"cannot load model {path!r}: {file} is corrupt or cut short ({common.error_reason(bad)})"
-    return f"cannot load model {path!r}: {common.error_reason(e)}"
-
-
-def write_failed(path: str, e: Exception, output_dir: str):
-    """A write that failed (disk full, permissions): its partial directory is removed and the run stops with
-    one line naming the last complete checkpoint; files written before are untouched."""
-    shutil.rmtree(path, ignore_errors=True)
-    last = (checkpoints(output_dir) or ["none"])[-1]
-    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
-             f"last complete checkpoint: {last}")
-
-
 def save_final_model(model, tokenizer, args: Args):
     """The trained model in output_dir, written like a checkpoint: to output_dir/final.tmp, then moved over
     the previous model's files, so a failed write (disk full) leaves the previous model whole."""
@@ -431,32 +639,6 @@ def save_final_model(model, tokenizer, args: Args):
             os.rmdir(tmp)
     except Exception as e:
         write_failed(tmp, e, args.output_dir)
-
-
-def on_stop_signal(stop: list | None):
-    """SIGINT/SIGTERM. During set-up (`stop` None): exit 0 at once, there is nothing to save yet. During
-    training: the signal's name goes into `stop`, the step finishes, a checkpoint is saved and the run exits 0;
-    a second signal stops at once."""
-
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
-        if stop is None:
-            print(f"stopped by {name} during set-up; nothing to save")
-            sys.exit(0)
-        stop.append(name)
-        signal.signal(signum, signal.SIG_DFL)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
-
-
-def check_args(args: Args):
-    """Invalid flag values stop the run at once, before any model is loaded."""
-    check_ranges(args, ["steps", "prompts_per_step", "num_iterations", "micro_batch_size", "lr", "warmup_steps", "max_grad_norm", "clip_eps",
-                        "temperature", "max_new_tokens", "max_prompt_length", "eval_every", "eval_size", "keep_checkpoints"],
-                 ["beta", "format_reward", "seed", "save_every"])
-    if args.group_size < 2:
-        fail(f"--group-size must be at least 2: a group of one has no baseline (got {args.group_size})")
 
 
 def checkpoints(output_dir: str) -> list[str]:
@@ -565,215 +747,91 @@ def open_metrics(run_name: str, resumed_step: int | None):
     return open(path, "a")
 
 
-def main(args: Args):
-    on_stop_signal(None)  # a signal during set-up exits at once: nothing to save yet
-    check_args(args)
-    probe_writable(args.output_dir)
-    t_start = time.time()  # every metrics row carries the wall time since here
-    checkpoint, state = load_checkpoint(args)
-    run_name = state["run_name"] if state else args.run_name or f"grpo__{args.seed}__{int(time.time())}"
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    rank, world, device = init_distributed()
-    if rank:  # only the first process prints, logs and saves
-        sys.stdout = open(os.devnull, "w")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+def on_stop_signal(stop: list | None):
+    """SIGINT/SIGTERM. During set-up (`stop` None): exit 0 at once, there is nothing to save yet. During
+    training: the signal's name goes into `stop`, the step finishes, a checkpoint is saved and the run exits 0;
+    a second signal stops at once."""
 
-    if args.model == "models/sft" and not os.path.isfile("models/sft/config.json"):  # (an interrupted sft.py leaves it empty)
-        fail("models/sft not found: run `python sft.py` first (or pass --model)")
-    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
-    ref, reward_model, rm_tokenizer = None, None, None
-    try:
-        path = args.model
-        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
-        path = checkpoint or args.model
-        policy = load_model(path, args.trust_remote_code).to(device)
-        if args.beta != 0:  # π_ref: the starting policy (also on resume), frozen; not needed when β = 0
-            path = args.model
-            ref = load_model(path, args.trust_remote_code) if checkpoint else copy.deepcopy(policy)
-            ref.to(device, frozen_dtype).requires_grad_(False).eval()
-        if args.reward_model:
-            path = args.reward_model
-            reward_model, rm_tokenizer = load_reward_model(path, tokenizer, args.trust_remote_code)
-            reward_model.to(device, frozen_dtype).requires_grad_(False).eval()
-    except Exception as e:
-        fail(load_failure(path, e))
-    if tokenizer.pad_token is None:  # masks come from positions, so padding with EOS is safe
-        tokenizer.pad_token = tokenizer.eos_token
-        print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
-    eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=device)  # every id that ends a completion
-
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    trained = wrap(policy, args, device)  # the training forward goes through the DDP/FSDP2 wrapper
-    if world > 1:  # every process samples its own completions
-        torch.manual_seed(args.seed + rank)
-
-    train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
-    eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
-    if reward_model is None and any(r["answer"] is None for r in train_rows + eval_rows):
-        fail(f"dataset '{args.dataset}' has rows without an answer column; pass --reward-model to score completions")
-    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_prompt_length, left_truncate=True)
-    eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_prompt_length, left_truncate=True)
-    print(f"policy {args.model} on {device} × {world}; {len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
-    if len(train_rows) < args.prompts_per_step * world:
-        fail(f"{len(train_rows)} training prompts are fewer than one step's {args.prompts_per_step * world} (prompts per step × processes)")
-
-    # fused: the whole update in one kernel, without foreach's parameter-sized temporaries (transformers' default too)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
-    if state:
-        if len(state["rng"]) != world:
-            fail(f"{checkpoint} was written by {len(state['rng'])} processes; resume it with as many")
-        set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-        schedule.load_state_dict(state["schedule"])
-        print(f"resuming from {checkpoint} (step {state['step']})")
-    metrics_file = open_metrics(run_name, state["step"] if state else None) if rank == 0 else None
-    if args.track and rank == 0:
-        import wandb
-
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args),
-                   id=state.get("wandb_id") if state else None, resume="allow")
-
-    def log(metrics: dict, step: int, samples=None):
-        if rank:
-            return
-        metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - t_start, 3)}) + "\n")
-        metrics_file.flush()
-        if args.track:
-            table = {"samples": wandb.Table(columns=["prompt", "completion", "reward"], data=samples)} if samples else {}
-            wandb.log({**metrics, **table}, step=step)
-
-    def evaluate(step: int) -> dict:
-        """Greedy completions on held-out prompts: accuracy when answers exist, and the mean reward."""
-        policy.eval()
-        rewards, correct, samples = [], [], []
-        for i in range(0, len(eval_rows), 128):
-            rows = eval_rows[i : i + 128]
-            ids, mask = (t.to(device) for t in common.pad(eval_prompts[i : i + 128], tokenizer.pad_token_id, "left"))
-            with autocast:
-                completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
-                texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-                r = score(rows, texts, torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1), ended, reward_model, rm_tokenizer, args)
-            rewards += r.tolist()
-            if all(x["answer"] is not None for x in rows):
-                correct += [common.is_correct(t, x["answer"]) for t, x in zip(texts, rows)]
-            samples += [[x["prompt"], t, v] for x, t, v in zip(rows, texts, r.tolist())][: max(0, 5 - len(samples))]
-        policy.train()
-        metrics = {"eval/reward": float(np.mean(rewards))}
-        if len(correct) == len(eval_rows):
-            metrics["eval/accuracy"] = float(np.mean(correct))
-        log(metrics, step, samples)
-        return metrics
-
-    start = state["start"] if state else evaluate(0)
-    print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
-    end, last_checkpoint, skipped = start, checkpoint, state["skipped"] if state else 0
-    first_step = state["step"] + 1 if state else 1
-    batches = common.shuffled_batches(len(train_rows), args.prompts_per_step * world, args.seed)  # the same order everywhere
-    for _ in range(first_step - 1):  # the data position: batches already drawn
-        next(batches)
-    if state:
-        restore_rng(state["rng"][rank])
-    stop = []  # from here on a signal finishes the step, saves a checkpoint and exits 0
-    on_stop_signal(stop)
-    G = args.group_size
-    progress = tqdm(range(first_step, args.steps + 1), desc="grpo", dynamic_ncols=True, disable=rank > 0 or None)
-    for step in progress:
-        # 1. sample G completions for each of this process's N prompts from π_θold (the current policy)
-        idx = next(batches)[rank * args.prompts_per_step :][: args.prompts_per_step]
-        group_prompts = [prompts[i] for i in idx for _ in range(G)]  # rows i*G … i*G+G-1: one prompt's group
-        prompt_ids, prompt_mask = (t.to(device) for t in common.pad(group_prompts, tokenizer.pad_token_id, "left"))
-        t0 = time.time()
-        policy.eval()
-        with autocast:
-            completion_ids, mask, ended = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
-        policy.train()
-        gen_time = time.time() - t0
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
-
-        # 2. rewards r_i and group-relative advantages Â_i
-        rows = [train_rows[i] for i in idx for _ in range(G)]
-        with autocast:
-            rewards = score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokenizer, args)
-        advantages = group_advantages(rewards, G, scale=args.scale_rewards)
-
-        # 3. reference (and, for μ > 1, old) log-probs: once per batch, without gradients
-        micro = [slice(i, i + args.micro_batch_size) for i in range(0, len(input_ids), args.micro_batch_size)]
-        with torch.no_grad(), autocast:
-            ref_logps = [forward_logps(ref, input_ids[s], attention_mask[s], completion_ids[s], args.temperature) for s in micro] if ref else None
-            old_logps = [forward_logps(policy, input_ids[s], attention_mask[s], completion_ids[s], args.temperature) for s in micro] if args.num_iterations > 1 else None
-
-        # 4. μ optimiser steps on the clipped objective, gradients accumulated over micro-batches
-        batch_tokens = mask.sum().float()  # dapo averages over every token of the step, in all processes
-        if dist.is_initialized():
-            dist.all_reduce(batch_tokens)
-            batch_tokens /= world  # DDP averages the processes' gradients
-        for _ in range(args.num_iterations):
-            totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
-            for k, s in enumerate(micro):
-                with trained.no_sync() if isinstance(trained, DDP) and k < len(micro) - 1 else contextlib.nullcontext():
-                    with autocast:
-                        logps = forward_logps(trained, input_ids[s], attention_mask[s], completion_ids[s], args.temperature)
-                    old = old_logps[k] if old_logps else logps.detach()  # μ = 1: ρ = 1, no extra forward pass
-                    loss, stats = grpo_loss(
-                        logps, old, ref_logps[k] if ref else None, advantages[s], mask[s], args.clip_eps, args.beta,
-                        args.loss_type, args.max_new_tokens,
-                    )
-                    # each micro-batch's share of the batch loss: its tokens (dapo) or its sequences (grpo, dr_grpo)
-                    weight = mask[s].sum() / batch_tokens if args.loss_type == "dapo" else len(logps) / len(input_ids)
-                    (loss * weight).backward()
-                totals["loss"] += loss.item() * float(weight)
-                for key in stats:
-                    totals[key] += stats[key].item() * len(logps) / len(input_ids)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
-            totals = mean_over_processes(totals, device)
-            if math.isfinite(totals["loss"]) and torch.isfinite(grad_norm):
-                optimizer.step()
-            elif args.skip_nonfinite:
-                skipped += 1
-            else:
-                sys.exit(f"error: non-finite loss ({totals['loss']}) or gradient norm ({grad_norm.item()}) at step {step}; "
-                         f"last good checkpoint: {last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
-            optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-
-        lengths = mask.sum(1).float()
-        groups = rewards.view(-1, G)
-        metrics = mean_over_processes({
-            "train/loss": totals["loss"], "train/grad_norm": grad_norm.item(), "train/clip_fraction": totals["clip_fraction"],
-            "train/kl": totals["kl"], "train/reward_mean": rewards.mean().item(), "train/reward_std": rewards.std().item(),
-            "train/frac_groups_equal_reward": (groups.max(1).values == groups.min(1).values).float().mean().item(),
-            "train/completion_length": lengths.mean().item(),
-            "train/frac_hit_length_limit": 1 - ended.float().mean().item(),
-            "train/skipped_steps": skipped, "time/generation_s": gen_time, "stop": float(bool(stop)),
-        }, device)
-        stopping = metrics.pop("stop")
-        log(metrics, step)
-        progress.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", kl=f"{metrics['train/kl']:.4f}")
-        if step % args.eval_every == 0 or step == args.steps:
-            end = evaluate(step)
-            tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()))
-        if (args.save_every and step % args.save_every == 0) or stopping:  # a signal to any process stops all
-            last_checkpoint = save_checkpoint(args, step, policy, tokenizer, optimizer, {
-                "schedule": schedule.state_dict(), "run_name": run_name, "start": start, "skipped": skipped,
-                "wandb_id": wandb.run.id if args.track and rank == 0 else None,
-            })
-        if stopping:
-            print(f"stopped by {(stop or ['a signal to another process'])[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if stop is None:
+            print(f"stopped by {name} during set-up; nothing to save")
             sys.exit(0)
+        stop.append(name)
+        signal.signal(signum, signal.SIG_DFL)
 
-    save_final_model(policy, tokenizer, args)
-    print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
-    if rank == 0:
-        metrics_file.close()
-    if args.track and rank == 0:
-        wandb.finish()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def check_args(args: Args):
+    """Invalid flag values stop the run at once, before any model is loaded."""
+    check_ranges(args, ["steps", "prompts_per_step", "num_iterations", "micro_batch_size", "lr", "warmup_steps", "max_grad_norm", "clip_eps",
+                        "temperature", "max_new_tokens", "max_prompt_length", "eval_every", "eval_size", "keep_checkpoints"],
+                 ["beta", "format_reward", "seed", "save_every"])
+    if args.group_size < 2:
+        fail(f"--group-size must be at least 2: a group of one has no baseline (got {args.group_size})")
+
+
+def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
+    """Each named flag must be a finite number > 0 (positive) or ≥ 0 (non_negative); else one error line."""
+    for names, bound in ((positive, "positive"), (non_negative, "0 or positive")):
+        for name in names:
+            value = getattr(args, name)
+            if not math.isfinite(value) or value < 0 or (value == 0 and bound == "positive"):
+                fail(f"--{name.replace('_', '-')} must be {bound} (got {value})")
+
+
+def fail(message: str):
+    """A user error: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def probe_writable(directory: str):
+    """Creates `directory` and writes and removes a small file in it, so that an unwritable --output-dir
+    stops the run before any work instead of at the first save."""
+    if os.path.isfile(directory):
+        fail(f"cannot write to {directory}: it is a file, not a directory")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        fail(f"cannot write to {directory}: {e.strerror or e}")
+
+
+def load_failure(path: str, e: Exception) -> str:
+    """One sentence on why a model, tokenizer or checkpoint at `path` cannot be loaded, naming the file at fault."""
+    if not os.path.exists(path):
+        if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a hub id is `owner/name`
+            return f"cannot load model {path!r}: no such file or directory"
+        return f"cannot load model {path!r} from the hub: {common.error_reason(e)}"
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        return f"cannot load model {path!r}: it is not a model directory (no config.json)"
+    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+        file = os.path.join(path, name)
+        try:  # which file is cut short or corrupt?
+            if name.endswith(".safetensors"):
+                with safe_open(file, "pt"):
+                    pass
+            elif name.endswith(".json"):
+                with open(file) as f:
+                    json.load(f)
+        except Exception as bad:
+            return f"cannot load model {path!r}: {file} is corrupt or cut short ({common.error_reason(bad)})"
+    return f"cannot load model {path!r}: {common.error_reason(e)}"
+
+
+def write_failed(path: str, e: Exception, output_dir: str):
+    """A write that failed (disk full, permissions): its partial directory is removed and the run stops with
+    one line naming the last complete checkpoint; files written before are untouched."""
+    shutil.rmtree(path, ignore_errors=True)
+    last = (checkpoints(output_dir) or ["none"])[-1]
+    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
+             f"last complete checkpoint: {last}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -46,6 +47,7 @@ import common
 
 @dataclass
 class Args:
+    # models and data
     model: str = "models/sft"
     """policy to start from (hub id or path); also the frozen reference π_ref"""
     reward_model: str = "models/reward"
@@ -54,24 +56,20 @@ class Args:
     """`arithmetic` (built-in), a hub id, or a local prompt .jsonl/.json/.parquet file"""
     dataset_config: str | None = None
     """the hub dataset's configuration name, if it has several"""
+    max_prompt_length: int = 512
+    """prompts are left-truncated to this many tokens"""
     output_dir: str = "models/ppo"
     """where the trained policy and tokenizer are saved"""
-    steps: int = 200
-    """rollout/update rounds"""
+    trust_remote_code: bool = False
+    """allow model repositories to run their own code"""
+    # sampling
     prompts_per_step: int = 128
     """prompts per rollout (one completion each)"""
-    num_ppo_epochs: int = 2
-    """passes over each rollout"""
-    num_mini_batches: int = 2
-    """minibatches per pass (one optimiser step each)"""
-    grad_accum_steps: int = 1
-    """micro-batches per minibatch: gradients are summed over them before its optimiser step (less memory)"""
-    lr: float = 2e-5
-    """learning rate of policy and critic (AdamW)"""
-    warmup_steps: int = 10
-    """linear warm-up rounds"""
-    max_grad_norm: float = 1.0
-    """gradient clipping threshold (global L2 norm, policy and critic each)"""
+    temperature: float = 0.7
+    """sampling temperature (every log-prob is computed at the same temperature)"""
+    max_new_tokens: int = 8
+    """completion length limit"""
+    # the objective: clipped ratio ρ, KL-penalised rewards, GAE advantages Â, value loss
     clip_eps: float = 0.2
     """ε: the ratio ρ is clipped to [1−ε, 1+ε]"""
     clip_eps_value: float = 0.2
@@ -87,16 +85,27 @@ class Args:
     """λ: GAE trade-off between bias (0) and variance (1)"""
     missing_eos_penalty: float = 1.0
     """subtracted from the score of completions that never emit EOS (0: off)"""
-    temperature: float = 0.7
-    """sampling temperature (every log-prob is computed at the same temperature)"""
-    max_new_tokens: int = 8
-    """completion length limit"""
-    max_prompt_length: int = 512
-    """prompts are left-truncated to this many tokens"""
+    # optimisation
+    steps: int = 200
+    """rollout/update rounds"""
+    num_ppo_epochs: int = 2
+    """passes over each rollout"""
+    num_mini_batches: int = 2
+    """minibatches per pass (one optimiser step each)"""
+    grad_accum_steps: int = 1
+    """micro-batches per minibatch: gradients are summed over them before its optimiser step (less memory)"""
+    lr: float = 2e-5
+    """learning rate of policy and critic (AdamW)"""
+    warmup_steps: int = 10
+    """linear warm-up rounds"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold (global L2 norm, policy and critic each)"""
+    # evaluation
     eval_every: int = 50
     """evaluate greedy completions on the held-out split every this many rounds (and at the end)"""
     eval_size: int = 500
     """held-out prompts used for evaluation"""
+    # run: precision, processes, logging, checkpoints
     seed: int = 1
     """seed for torch, python and numpy"""
     bf16: bool = torch.cuda.is_available()
@@ -105,8 +114,6 @@ class Args:
     """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
     gradient_checkpointing: bool = False
     """recompute activations during the backward pass: much less memory for long sequences, ~1/3 more compute"""
-    trust_remote_code: bool = False
-    """allow model repositories to run their own code"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "align"
@@ -125,7 +132,7 @@ class Args:
     """skip optimiser steps whose loss or gradient norm is NaN/inf (counted) instead of stopping"""
 
 
-# ---------------------------------------------------------------- math
+# ---------------------------------------------------------------- the math
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log π(y_t | ·) of the given tokens at sampling temperature T: logits [B,T,V], tokens [B,T] → [B,T].
 
@@ -190,6 +197,13 @@ def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95):
     return advantages, (advantages + values) * mask
 
 
+def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(Â − mean) / std over the batch's real tokens; 0 on padding."""
+    mean = masked_mean(advantages, mask)
+    std = masked_mean((advantages - mean) ** 2, mask).sqrt()
+    return (advantages - mean) / (std + 1e-8) * mask
+
+
 def ppo_policy_loss(logps, old_logps, advantages, mask, clip_eps=0.2):
     """ℒ = masked mean of max(−Â·ρ, −Â·clip(ρ, 1−ε, 1+ε)), ρ = exp(logp − old_logp).
     Returns (loss, stats: clip_fraction, approx_kl = ½·mean((logp − old_logp)²))."""
@@ -210,21 +224,14 @@ def ppo_value_loss(values, old_values, returns, mask, clip_eps=0.2):
     return 0.5 * masked_mean(torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask.float())
 
 
-# ---------------------------------------------------------------- helpers
-@torch.no_grad()
-def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
-    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
-    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
-    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
-    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
-    own = model.generation_config
-    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
-    try:
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
-    finally:
-        model.generation_config = own
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 − Var(R − V) / Var(R) over real tokens: 1 when the critic predicts the returns, ≤ 0 when it does not."""
+    residual_var = masked_mean((returns - values - masked_mean(returns - values, mask)) ** 2, mask)
+    returns_var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    return (1 - residual_var / returns_var.clamp(min=1e-8)).item()
 
 
+# ---------------------------------------------------------------- the method's helpers
 def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs):
     """A model in fp32 (master weights) with every dropout probability in its config at 0."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
@@ -250,10 +257,40 @@ def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
         return model, None
     if common.same_tokenizer(tokenizer, own):
         return model, None
-    if own.pad_token is None:
-        own.pad_token = own.eos_token
     print(f"note: the reward model {path} has its own tokenizer: completions are decoded and re-tokenized for it")
     return model, own
+
+
+def load_models(args: Args, run: SimpleNamespace):
+    """Four models: the policy π_θ and critic V_ψ train (from the checkpoint on resume); the reference π_ref
+    (the starting policy) and the reward model r_ϕ are frozen, held in bf16 with --bf16. Also the tokenizer
+    and r_ϕ's own (None when it reads the policy's tokens)."""
+    for name in ("model", "reward_model"):
+        path = getattr(args, name)
+        if path in ("models/sft", "models/reward") and not os.path.isfile(os.path.join(path, "config.json")):
+            script = "sft.py" if name == "model" else "reward_model.py"
+            fail(f"{path} not found: run `python {script}` first (or pass --{name.replace('_', '-')})")
+    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    try:
+        path = args.model
+        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+        ref = load_model(path, args.trust_remote_code).to(run.device, frozen_dtype).requires_grad_(False).eval()
+        path = run.checkpoint or args.model
+        policy = load_model(path, args.trust_remote_code).to(run.device)
+        path = args.reward_model
+        reward_model, rm_tokenizer = load_reward_model(path, tokenizer, args.trust_remote_code)
+        if run.checkpoint:
+            path = os.path.join(run.checkpoint, "critic")
+            critic = load_model(path, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
+        elif rm_tokenizer is None:  # V_ψ starts from r_ϕ: it already knows what scores well
+            critic = copy.deepcopy(reward_model)
+        else:  # V_ψ reads the policy's tokens, which r_ϕ cannot: the policy's weights with a new value head
+            critic = load_model(args.model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
+            print("note: the critic starts from the policy with a new value head (the reward model reads another vocabulary)")
+    except Exception as e:
+        fail(load_failure(path, e))
+    reward_model.to(run.device, frozen_dtype).requires_grad_(False).eval()
+    return tokenizer, policy, critic.to(run.device), ref, reward_model, rm_tokenizer
 
 
 def position_ids(attention_mask):
@@ -286,6 +323,20 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torc
 
 
 @torch.no_grad()
+def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
+    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
+    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
+    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
+    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
+    own = model.generation_config
+    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
+    try:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
+    finally:
+        model.generation_config = own
+
+
+@torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, args: Args, greedy: bool = False):
     """Completions [B,T] from π_θ/T exactly (KV cache, left-padded prompts), their mask, and whether each
     ended with an EOS (any of eos_ids) rather than at the length limit."""
@@ -311,7 +362,249 @@ def reward_scores(reward_model, rm_tokenizer, input_ids, attention_mask, rows, t
     return scores - getattr(reward_model.config, "reward_offset", 0.0)
 
 
-# ---------------------------------------------------------------- several processes (torchrun)
+@torch.no_grad()
+def evaluate(policy, tokenizer, eos_ids, rows, prompts, reward_model, rm_tokenizer, args: Args, device, autocast) -> tuple[dict, list]:
+    """Greedy completions on held-out prompts: accuracy when answers exist, and the mean score; a few samples."""
+    policy.eval()
+    scores, correct, samples = [], [], []
+    has_answers = all(r["answer"] is not None for r in rows)
+    for i in range(0, len(rows), 128):
+        batch_rows = rows[i : i + 128]
+        ids, mask = (t.to(device) for t in common.pad(prompts[i : i + 128], tokenizer.pad_token_id, "left"))
+        with autocast:
+            completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
+            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            s = reward_scores(reward_model, rm_tokenizer, torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1), batch_rows, texts, ended, args)
+        scores += s.tolist()
+        if has_answers:
+            correct += [common.is_correct(t, r["answer"]) for t, r in zip(texts, batch_rows)]
+        samples += [{"prompt": r["prompt"], "completion": t, "score": v} for r, t, v in zip(batch_rows, texts, s.tolist())][: max(0, 5 - len(samples))]
+    policy.train()
+    metrics = {"eval/score": float(np.mean(scores))}
+    if has_answers:
+        metrics["eval/accuracy"] = float(np.mean(correct))
+    return metrics, samples
+
+
+def main(args: Args):
+    run = start_run(args, "ppo")  # flags checked, --resume found, seeds set, torchrun's processes joined
+    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    tokenizer, policy, critic, ref, reward_model, rm_tokenizer = load_models(args, run)
+    eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=run.device)  # every id that ends a completion
+    if args.gradient_checkpointing:
+        for model in (policy, critic):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trained = wrap(policy, args, run.device)  # the policy's training forward goes through the DDP/FSDP2 wrapper
+    critic = wrap_critic(critic, args)
+    both = torch.nn.ModuleDict({"policy": policy, "critic": critic})  # one optimiser, one checkpoint for the two
+    if run.world > 1:  # every process samples its own completions
+        torch.manual_seed(args.seed + run.rank)
+
+    train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
+    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_prompt_length, left_truncate=True)
+    eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_prompt_length, left_truncate=True)
+    print(f"policy {args.model}, reward model {args.reward_model} on {run.device} × {run.world}; "
+          f"{len(train_rows)} train / {len(eval_rows)} held-out prompts")
+    if len(train_rows) < args.prompts_per_step * run.world:
+        fail(f"{len(train_rows)} training prompts are fewer than one step's {args.prompts_per_step * run.world} (prompts per step × processes)")
+
+    # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
+    optimizer = torch.optim.AdamW(both.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
+    batches = common.shuffled_batches(len(train_rows), args.prompts_per_step * run.world, args.seed)  # the same order everywhere
+    first_step = begin_training(args, run, both, optimizer, schedule, batches)
+
+    def run_eval(step: int) -> dict:
+        metrics, samples = evaluate(policy, tokenizer, eos_ids, eval_rows, eval_prompts, reward_model, rm_tokenizer, args, run.device, autocast)
+        log(run, metrics, step, samples)
+        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return metrics
+
+    start = end = run.state["start"] if run.state else run_eval(0)
+    progress = tqdm(range(first_step, args.steps + 1), desc="ppo", dynamic_ncols=True, disable=run.rank > 0 or None)
+    for step in progress:
+        # 1. rollout: sample completions from π_θold, score them, and record everything PPO needs
+        idx = process_share(next(batches), run, args.prompts_per_step)
+        prompt_ids, prompt_mask = (t.to(run.device) for t in common.pad([prompts[i] for i in idx], tokenizer.pad_token_id, "left"))
+        t0 = time.time()
+        policy.eval()
+        with autocast:
+            completion_ids, mask, has_eos = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
+        policy.train()
+        gen_time = time.time() - t0
+        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
+        T = completion_ids.shape[1]
+        with torch.no_grad(), autocast:
+            old_logps = forward_logps(policy, input_ids, attention_mask, T, args.temperature)
+            ref_logps = forward_logps(ref, input_ids, attention_mask, T, args.temperature)
+            old_values = critic_values(critic, input_ids, attention_mask, T)
+            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            scores = reward_scores(reward_model, rm_tokenizer, input_ids, attention_mask, [train_rows[i] for i in idx], texts, has_eos, args)
+        scores = scores - args.missing_eos_penalty * (~has_eos).float()
+
+        # 2. per-token rewards with the KL penalty, GAE advantages Â (whitened over the batch) and returns
+        rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, args.kl_coef)
+        advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
+        advantages = whiten(advantages, mask)
+
+        # 3. update: num_ppo_epochs passes over num_mini_batches minibatches, one optimiser step each
+        stats = {"policy_loss": [], "value_loss": [], "clip_fraction": [], "approx_kl": [], "value_clip_fraction": []}
+        mb_size = len(input_ids) // args.num_mini_batches
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(len(input_ids), device=run.device)
+            for mb in order[: mb_size * args.num_mini_batches].split(mb_size):
+                loss, mb_stats = 0.0, dict.fromkeys(stats, 0.0)
+                micros = mb.chunk(args.grad_accum_steps)
+                for k, micro in enumerate(micros):
+                    share = mask[micro].sum() / mask[mb].sum()  # both losses are token means over the minibatch
+                    with trained.no_sync() if isinstance(trained, DDP) and k < len(micros) - 1 else contextlib.nullcontext():
+                        with autocast:
+                            logps = forward_logps(trained, input_ids[micro], attention_mask[micro], T, args.temperature)
+                            values = critic_values(critic, input_ids[micro], attention_mask[micro], T)
+                        pg_loss, pg_stats = ppo_policy_loss(logps, old_logps[micro], advantages[micro], mask[micro], args.clip_eps)
+                        vf_loss = ppo_value_loss(values, old_values[micro], returns[micro], mask[micro], args.clip_eps_value)
+                        ((pg_loss + args.vf_coef * vf_loss) * share).backward()
+                    loss += (pg_loss + args.vf_coef * vf_loss).item() * share.item()
+                    vf_clipped = ((values - old_values[micro]).abs() > args.clip_eps_value).float()
+                    for key, value in [("policy_loss", pg_loss), ("value_loss", vf_loss), ("clip_fraction", pg_stats["clip_fraction"]),
+                                       ("approx_kl", pg_stats["approx_kl"]), ("value_clip_fraction", masked_mean(vf_clipped, mask[micro]))]:
+                        mb_stats[key] += share.item() * value.item()
+                average_gradients(critic, args)
+                optimizer_step(args, run, step, [policy, critic], optimizer, mean_over_processes({"loss": loss}, run.device)["loss"])
+                for key in stats:
+                    stats[key].append(mb_stats[key])
+        schedule.step()
+
+        # 4. log, evaluate, checkpoint
+        kl = ((old_logps - ref_logps) * mask).sum(1)  # per-sequence KL estimate to the reference
+        metrics = mean_over_processes({
+            "train/score": scores.mean().item(), "train/kl": kl.mean().item(), "train/rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
+            **{f"train/{key}": float(np.mean(values)) for key, values in stats.items()},
+            "train/explained_variance": explained_variance(old_values, returns, mask),
+            "train/frac_with_eos": has_eos.float().mean().item(), "train/completion_length": mask.sum(1).float().mean().item(),
+            "train/skipped_steps": run.skipped, "train/generation_s": gen_time,
+        }, run.device)
+        log(run, metrics, step)
+        progress.set_postfix(score=f"{metrics['train/score']:.3f}", kl=f"{metrics['train/kl']:.3f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            end = run_eval(step)
+        maybe_checkpoint(args, run, step, both, tokenizer, optimizer, schedule, start)
+
+    finish_run(args, run, policy, tokenizer, start, end)  # the policy alone: a plain causal LM
+
+
+# ======================================================================================================
+# Infrastructure: torchrun, checkpoints and resume, logging, signals, user errors. Not part of the method:
+# the helpers below are the same in every script (tests/test_copies.py checks it).
+# ======================================================================================================
+def start_run(args: Args, script: str) -> SimpleNamespace:
+    """What every run does before the method: a signal now exits at once (nothing to save yet), bad flags
+    stop it with one line, --resume finds its checkpoint, the seeds are set and torchrun's processes join.
+    Returns `run`: rank, world, device, checkpoint and its state (None on a fresh run), the run's name, and
+    what the loop keeps (skipped steps, the last checkpoint, stop signals, the metrics file and wandb)."""
+    t_start = time.time()  # every metrics row carries the wall time since here
+    on_stop_signal(None)
+    check_args(args)
+    probe_writable(args.output_dir)
+    checkpoint, state = load_checkpoint(args)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    rank, world, device = init_distributed()
+    if rank:  # only the first process prints, logs and saves
+        sys.stdout = open(os.devnull, "w")
+    name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
+    return SimpleNamespace(rank=rank, world=world, device=device, checkpoint=checkpoint, state=state, name=name, t_start=t_start,
+                           skipped=state["skipped"] if state else 0, last_checkpoint=checkpoint, stop=[], metrics_file=None, wandb=None)
+
+
+def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
+    """Opens the metrics file (and wandb with --track). On --resume, puts back the optimiser, the schedule,
+    the data position (the batches already drawn) and each process's RNG. From here on a signal finishes
+    the step, saves a checkpoint and exits 0. Returns the first step to run."""
+    if run.state:
+        if len(run.state["rng"]) != run.world:
+            fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
+        set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        schedule.load_state_dict(run.state["schedule"])
+        for _ in range(run.state["step"]):
+            next(batches)
+        restore_rng(run.state["rng"][run.rank])
+        print(f"resuming from {run.checkpoint} (step {run.state['step']})")
+    if run.rank == 0:
+        run.metrics_file = open_metrics(run.name, run.state["step"] if run.state else None)
+    if args.track and run.rank == 0:
+        import wandb
+
+        run.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run.name, config=asdict(args),
+                               id=run.state.get("wandb_id") if run.state else None, resume="allow")
+    on_stop_signal(run.stop)
+    return run.state["step"] + 1 if run.state else 1
+
+
+def process_share(indices: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
+    """This process's `size` rows of a step's `indices`: micro-batch k of process r is the (k·world + r)-th slice."""
+    return indices[(micro_batch * run.world + run.rank) * size :][:size]
+
+
+def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | None = None):
+    """A row of runs/<name>/metrics.jsonl (first process only) and, with --track, of wandb (samples: a table)."""
+    if run.rank:
+        return
+    run.metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}) + "\n")
+    run.metrics_file.flush()
+    if run.wandb:
+        import wandb
+
+        table = {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])} if samples else {}
+        run.wandb.log({**metrics, **table}, step=step)
+
+
+def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, optimizer, loss: float) -> float:
+    """Clips each model's gradient norm to --max-grad-norm and steps, unless the loss (the same in every
+    process) or the norm is NaN/inf: then the step is skipped (--skip-nonfinite, counted) or the run stops,
+    naming the last good checkpoint. Returns the gradient norm (summed over `models`)."""
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), args.max_grad_norm) for m in models]
+    grad_norm = sum(n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms)  # FSDP2: DTensors
+    if math.isfinite(loss) and torch.isfinite(grad_norm):
+        optimizer.step()
+    elif args.skip_nonfinite:
+        run.skipped += 1
+    else:
+        sys.exit(f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
+                 f"last good checkpoint: {run.last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item()
+
+
+def maybe_checkpoint(args: Args, run: SimpleNamespace, step: int, model, tokenizer, optimizer, schedule, start: dict, extra_state=dict):
+    """A checkpoint every --save-every steps, and when any process got a stop signal: then the run exits 0.
+    `extra_state()`: what else this script's checkpoints hold (called in every process, only when saving)."""
+    stopping = mean_over_processes({"stop": float(bool(run.stop))}, run.device)["stop"] > 0  # a signal to one stops all
+    if (args.save_every and step % args.save_every == 0) or stopping:
+        run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, {
+            "schedule": schedule.state_dict(), "run_name": run.name, "start": start, "skipped": run.skipped,
+            "wandb_id": run.wandb.id if run.wandb else None, **extra_state(),
+        })
+    if stopping:
+        print(f"stopped by {(run.stop or ['a signal to another process'])[0]} after step {step}; saved {run.last_checkpoint}; "
+              "continue with --resume latest")
+        sys.exit(0)
+
+
+def finish_run(args: Args, run: SimpleNamespace, model, tokenizer, start: dict, end: dict):
+    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs."""
+    save_final_model(model, tokenizer, args)
+    print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
+    if run.metrics_file:
+        run.metrics_file.close()
+    if run.wandb:
+        run.wandb.finish()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_distributed() -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: one process per device, NCCL on CUDA, gloo on the CPU."""
     cuda = torch.cuda.is_available()
@@ -350,7 +643,9 @@ def wrap_critic(critic, args: Args):
 
 
 def average_gradients(model, args: Args):
-    """Data parallel by hand for the critic: each gradient becomes its mean over processes."""
+    """Data parallel by hand: each gradient becomes its mean over processes (DDP would need the forward to go
+    through its wrapper; reward model and critic are read through their backbone and score head). FSDP2
+    averages by itself."""
     if dist.is_initialized() and not args.fsdp:
         for p in model.parameters():
             if p.grad is not None:
@@ -383,68 +678,6 @@ def save_model(model, tokenizer, path: str, args: Args):
         tokenizer.save_pretrained(path)
 
 
-# ---------------------------------------------------------------- user errors, checkpoints
-def fail(message: str):
-    """A user error: one line on stderr, exit code 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
-    """Each named flag must be a finite number > 0 (positive) or ≥ 0 (non_negative); else one error line."""
-    for names, bound in ((positive, "positive"), (non_negative, "0 or positive")):
-        for name in names:
-            value = getattr(args, name)
-            if not math.isfinite(value) or value < 0 or (value == 0 and bound == "positive"):
-                fail(f"--{name.replace('_', '-')} must be {bound} (got {value})")
-
-
-def probe_writable(directory: str):
-    """Creates `directory` and writes and removes a small file in it, so that an unwritable --output-dir
-    stops the run before any work instead of at the first save."""
-    if os.path.isfile(directory):
-        fail(f"cannot write to {directory}: it is a file, not a directory")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".write-test-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        fail(f"cannot write to {directory}: {e.strerror or e}")
-
-
-def load_failure(path: str, e: Exception) -> str:
-    """One sentence on why a model, tokenizer or checkpoint at `path` cannot be loaded, naming the file at fault."""
-    if not os.path.exists(path):
-        if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a hub id is `owner/name`
-            return f"cannot load model {path!r}: no such file or directory"
-        return f"cannot load model {path!r} from the hub: {common.error_reason(e)}"
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        return f"cannot load model {path!r}: it is not a model directory (no config.json)"
-    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
-        file = os.path.join(path, name)
-        try:  # which file is cut short or corrupt?
-            if name.endswith(".safetensors"):
-                with safe_open(file, "pt"):
-                    pass
-            elif name.endswith(".json"):
-                with open(file) as f:
-                    json.load(f)
-        except Exception as bad:
-            return f"cannot load model {path!r}: {file} is corrupt or cut short ({common.error_reason(bad)})"
-    return f"cannot load model {path!r}: {common.error_reason(e)}"
-
-
-def write_failed(path: str, e: Exception, output_dir: str):
-    """A write that failed (disk full, permissions): its partial directory is removed and the run stops with
-    one line naming the last complete checkpoint; files written before are untouched."""
-    shutil.rmtree(path, ignore_errors=True)
-    last = (checkpoints(output_dir) or ["none"])[-1]
-    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
-             f"last complete checkpoint: {last}")
-
-
 def save_final_model(model, tokenizer, args: Args):
     """The trained model in output_dir, written like a checkpoint: to output_dir/final.tmp, then moved over
     the previous model's files, so a failed write (disk full) leaves the previous model whole."""
@@ -466,37 +699,6 @@ def save_final_model(model, tokenizer, args: Args):
         write_failed(tmp, e, args.output_dir)
 
 
-def on_stop_signal(stop: list | None):
-    """SIGINT/SIGTERM. During set-up (`stop` None): exit 0 at once, there is nothing to save yet. During
-    training: the signal's name goes into `stop`, the step finishes, a checkpoint is saved and the run exits 0;
-    a second signal stops at once."""
-
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
-        if stop is None:
-            print(f"stopped by {name} during set-up; nothing to save")
-            sys.exit(0)
-        stop.append(name)
-        signal.signal(signum, signal.SIG_DFL)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
-
-
-def check_args(args: Args):
-    """Invalid flag values stop the run at once, before any model is loaded."""
-    check_ranges(args, ["steps", "prompts_per_step", "num_ppo_epochs", "num_mini_batches", "grad_accum_steps", "lr", "warmup_steps",
-                        "max_grad_norm", "clip_eps", "clip_eps_value", "temperature", "max_new_tokens", "max_prompt_length", "eval_every",
-                        "eval_size", "keep_checkpoints"],
-                 ["vf_coef", "kl_coef", "missing_eos_penalty", "seed", "save_every"])
-    if args.prompts_per_step < args.num_mini_batches * args.grad_accum_steps:
-        fail(f"--prompts-per-step ({args.prompts_per_step}) must be at least --num-mini-batches × --grad-accum-steps")
-    if args.prompts_per_step % args.num_mini_batches:
-        fail(f"--prompts-per-step ({args.prompts_per_step}) must be divisible by --num-mini-batches ({args.num_mini_batches})")
-    if not 0 <= args.lam <= 1 or not 0 <= args.gamma <= 1:
-        fail(f"--gamma and --lam must be in [0, 1] (got {args.gamma}, {args.lam})")
-
-
 def checkpoints(output_dir: str) -> list[str]:
     """Complete checkpoints in output_dir, oldest first (`checkpoint-N.tmp` is a write that was cut short)."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
@@ -504,8 +706,8 @@ def checkpoints(output_dir: str) -> list[str]:
     return [os.path.join(output_dir, f"checkpoint-{s}") for s in steps]
 
 
-def save_checkpoint(args: Args, step: int, policy, critic, tokenizer, optimizer, state: dict) -> str:
-    """output_dir/checkpoint-<step>/: policy + tokenizer (loadable as they are), critic/, and trainer_state.pt
+def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: dict) -> str:
+    """output_dir/checkpoint-<step>/: model["policy"] + tokenizer (loadable as they are), model["critic"] in critic/, trainer_state.pt
     (optimiser, scheduler, each process's RNG states, step (= the data position: one batch per step),
     args). Written to a temporary directory and renamed into place, so a kill at any moment leaves
     the previous checkpoint whole."""
@@ -514,12 +716,11 @@ def save_checkpoint(args: Args, step: int, policy, critic, tokenizer, optimizer,
     try:
         if main_process:
             shutil.rmtree(path + ".tmp", ignore_errors=True)
-        save_model(policy, tokenizer, path + ".tmp", args)
-        save_model(critic, tokenizer, os.path.join(path + ".tmp", "critic"), args)
+        save_model(model["policy"], tokenizer, path + ".tmp", args)
+        save_model(model["critic"], tokenizer, os.path.join(path + ".tmp", "critic"), args)
     except Exception as e:  # disk full, permissions: one line, the previous checkpoint stays whole
         write_failed(path + ".tmp", e, args.output_dir)
-    both = torch.nn.ModuleDict({"policy": policy, "critic": critic})  # the optimiser holds both
-    optimizer_state = get_optimizer_state_dict(both, optimizer, options=FULL_STATE)  # by parameter name, unsharded
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE)  # by parameter name, unsharded
     np_rng = np.random.get_state()
     rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
            "python": random.getstate(), "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:])}
@@ -605,231 +806,96 @@ def open_metrics(run_name: str, resumed_step: int | None):
     return open(path, "a")
 
 
-def main(args: Args):
-    on_stop_signal(None)  # a signal during set-up exits at once: nothing to save yet
-    check_args(args)
-    probe_writable(args.output_dir)
-    t_start = time.time()  # every metrics row carries the wall time since here
-    for name in ("model", "reward_model"):
-        path = getattr(args, name)
-        if path in ("models/sft", "models/reward") and not os.path.isfile(os.path.join(path, "config.json")):
-            script = "sft.py" if name == "model" else "reward_model.py"
-            fail(f"{path} not found: run `python {script}` first (or pass --{name.replace('_', '-')})")
-    checkpoint, state = load_checkpoint(args)
-    run_name = state["run_name"] if state else args.run_name or f"ppo__{args.seed}__{int(time.time())}"
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    rank, world, device = init_distributed()
-    if rank:  # only the first process prints, logs and saves
-        sys.stdout = open(os.devnull, "w")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+def on_stop_signal(stop: list | None):
+    """SIGINT/SIGTERM. During set-up (`stop` None): exit 0 at once, there is nothing to save yet. During
+    training: the signal's name goes into `stop`, the step finishes, a checkpoint is saved and the run exits 0;
+    a second signal stops at once."""
 
-    # Four models: policy and critic train; reference and reward model are frozen (eval, no grad).
-    # On resume, policy and critic come from the checkpoint; π_ref and r_ϕ are always the starting ones.
-    try:
-        path = args.model
-        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
-        ref = load_model(path, args.trust_remote_code).to(device, frozen_dtype).requires_grad_(False).eval()
-        path = checkpoint or args.model
-        policy = load_model(path, args.trust_remote_code).to(device)
-        path = args.reward_model
-        reward_model, rm_tokenizer = load_reward_model(path, tokenizer, args.trust_remote_code)
-        if checkpoint:
-            path = os.path.join(checkpoint, "critic")
-            critic = load_model(path, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-        elif rm_tokenizer is None:  # V_ψ starts from r_ϕ: it already knows what scores well
-            critic = copy.deepcopy(reward_model)
-        else:  # V_ψ reads the policy's tokens, which r_ϕ cannot: the policy's weights with a new value head
-            critic = load_model(args.model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-            print("note: the critic starts from the policy with a new value head (the reward model reads another vocabulary)")
-    except Exception as e:
-        fail(load_failure(path, e))
-    if tokenizer.pad_token is None:  # masks come from positions, so padding with EOS is safe
-        tokenizer.pad_token = tokenizer.eos_token
-        print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
-    eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=device)  # every id that ends a completion
-    critic.to(device)
-    reward_model.to(device, frozen_dtype).requires_grad_(False).eval()
-    if args.gradient_checkpointing:
-        for model in (policy, critic):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    trained = wrap(policy, args, device)  # the policy's training forward goes through the DDP/FSDP2 wrapper
-    critic = wrap_critic(critic, args)
-    if world > 1:  # every process samples its own completions
-        torch.manual_seed(args.seed + rank)
-
-    train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
-    eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
-    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_prompt_length, left_truncate=True)
-    eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_prompt_length, left_truncate=True)
-    has_answers = all(r["answer"] is not None for r in eval_rows)
-    print(f"policy {args.model}, reward model {args.reward_model} on {device} × {world}; {len(train_rows)} train / {len(eval_rows)} held-out prompts")
-    if len(train_rows) < args.prompts_per_step * world:
-        fail(f"{len(train_rows)} training prompts are fewer than one step's {args.prompts_per_step * world} (prompts per step × processes)")
-
-    # fused: the whole update in one kernel, without foreach's parameter-sized temporaries (transformers' default too)
-    optimizer = torch.optim.AdamW(list(policy.parameters()) + list(critic.parameters()), lr=args.lr, weight_decay=0.0, fused=True)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
-    if state:
-        if len(state["rng"]) != world:
-            fail(f"{checkpoint} was written by {len(state['rng'])} processes; resume it with as many")
-        both = torch.nn.ModuleDict({"policy": policy, "critic": critic})
-        set_optimizer_state_dict(both, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-        schedule.load_state_dict(state["schedule"])
-        print(f"resuming from {checkpoint} (step {state['step']})")
-    metrics_file = open_metrics(run_name, state["step"] if state else None) if rank == 0 else None
-    if args.track and rank == 0:
-        import wandb
-
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args),
-                   id=state.get("wandb_id") if state else None, resume="allow")
-
-    def log(metrics: dict, step: int, samples=None):
-        if rank:
-            return
-        metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - t_start, 3)}) + "\n")
-        metrics_file.flush()
-        if args.track:
-            table = {"samples": wandb.Table(columns=["prompt", "completion", "score"], data=samples)} if samples else {}
-            wandb.log({**metrics, **table}, step=step)
-
-    @torch.no_grad()
-    def evaluate(step: int) -> dict:
-        """Greedy completions on held-out prompts: accuracy when answers exist, and the mean score."""
-        policy.eval()
-        scores, correct, samples = [], [], []
-        for i in range(0, len(eval_rows), 128):
-            rows = eval_rows[i : i + 128]
-            ids, mask = (t.to(device) for t in common.pad(eval_prompts[i : i + 128], tokenizer.pad_token_id, "left"))
-            with autocast:
-                completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
-                texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-                s = reward_scores(reward_model, rm_tokenizer, torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1), rows, texts, ended, args)
-            scores += s.tolist()
-            if has_answers:
-                correct += [common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)]
-            samples += [[r["prompt"], t, v] for r, t, v in zip(rows, texts, s.tolist())][: max(0, 5 - len(samples))]
-        policy.train()
-        metrics = {"eval/score": float(np.mean(scores))}
-        if has_answers:
-            metrics["eval/accuracy"] = float(np.mean(correct))
-        log(metrics, step, samples)
-        return metrics
-
-    start = state["start"] if state else evaluate(0)
-    print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
-    end, last_checkpoint, skipped = start, checkpoint, state["skipped"] if state else 0
-    first_step = state["step"] + 1 if state else 1
-    batches = common.shuffled_batches(len(train_rows), args.prompts_per_step * world, args.seed)  # the same order everywhere
-    for _ in range(first_step - 1):  # the data position: batches already drawn
-        next(batches)
-    if state:
-        restore_rng(state["rng"][rank])
-    stop = []  # from here on a signal finishes the step, saves a checkpoint and exits 0
-    on_stop_signal(stop)
-    progress = tqdm(range(first_step, args.steps + 1), desc="ppo", dynamic_ncols=True, disable=rank > 0 or None)
-    for step in progress:
-        # 1. rollout: sample completions from π_θold, score them, and record everything PPO needs
-        idx = next(batches)[rank * args.prompts_per_step :][: args.prompts_per_step]  # this process's prompts
-        prompt_ids, prompt_mask = (t.to(device) for t in common.pad([prompts[i] for i in idx], tokenizer.pad_token_id, "left"))
-        t0 = time.time()
-        policy.eval()
-        with autocast:
-            completion_ids, mask, has_eos = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
-        policy.train()
-        gen_time = time.time() - t0
-        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
-        T = completion_ids.shape[1]
-        with torch.no_grad(), autocast:
-            old_logps = forward_logps(policy, input_ids, attention_mask, T, args.temperature)
-            ref_logps = forward_logps(ref, input_ids, attention_mask, T, args.temperature)
-            old_values = critic_values(critic, input_ids, attention_mask, T)
-            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            scores = reward_scores(reward_model, rm_tokenizer, input_ids, attention_mask, [train_rows[i] for i in idx], texts, has_eos, args)
-        scores = scores - args.missing_eos_penalty * (~has_eos).float()
-
-        # 2. per-token rewards with the KL penalty, GAE advantages, whitened over the batch
-        rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, args.kl_coef)
-        advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
-        mean = masked_mean(advantages, mask)
-        std = masked_mean((advantages - mean) ** 2, mask).sqrt()
-        advantages = (advantages - mean) / (std + 1e-8) * mask
-
-        # 3. update: num_ppo_epochs passes over num_mini_batches minibatches
-        stats = []
-        mb_size = len(input_ids) // args.num_mini_batches
-        for _ in range(args.num_ppo_epochs):
-            order = torch.randperm(len(input_ids), device=device)
-            for mb in order[: mb_size * args.num_mini_batches].split(mb_size):
-                optimizer.zero_grad(set_to_none=True)
-                loss, mb_stats = 0.0, np.zeros(5)
-                micros = mb.chunk(args.grad_accum_steps)
-                for k, micro in enumerate(micros):
-                    share = mask[micro].sum() / mask[mb].sum()  # both losses are token means over the minibatch
-                    with trained.no_sync() if isinstance(trained, DDP) and k < len(micros) - 1 else contextlib.nullcontext():
-                        with autocast:
-                            logps = forward_logps(trained, input_ids[micro], attention_mask[micro], T, args.temperature)
-                            values = critic_values(critic, input_ids[micro], attention_mask[micro], T)
-                        pg_loss, pg_stats = ppo_policy_loss(logps, old_logps[micro], advantages[micro], mask[micro], args.clip_eps)
-                        vf_loss = ppo_value_loss(values, old_values[micro], returns[micro], mask[micro], args.clip_eps_value)
-                        ((pg_loss + args.vf_coef * vf_loss) * share).backward()
-                    loss += (pg_loss + args.vf_coef * vf_loss).item() * share.item()
-                    vf_clipped = ((values - old_values[micro]).abs() > args.clip_eps_value).float()
-                    mb_stats += share.item() * np.array([pg_loss.item(), vf_loss.item(), pg_stats["clip_fraction"].item(),
-                                                         pg_stats["approx_kl"].item(), masked_mean(vf_clipped, mask[micro]).item()])
-                average_gradients(critic, args)
-                grad_norm = sum(  # FSDP2 returns DTensors
-                    n.full_tensor() if hasattr(n, "full_tensor") else n
-                    for n in (torch.nn.utils.clip_grad_norm_(m.parameters(), args.max_grad_norm) for m in (policy, critic))
-                )
-                if math.isfinite(mean_over_processes({"loss": loss}, device)["loss"]) and torch.isfinite(grad_norm):
-                    optimizer.step()
-                elif args.skip_nonfinite:
-                    skipped += 1
-                else:
-                    sys.exit(f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
-                             f"last good checkpoint: {last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
-                stats.append(mb_stats)
-        schedule.step()
-
-        kl = ((old_logps - ref_logps) * mask).sum(1)  # per-sequence KL estimate to the reference
-        residual_var = masked_mean((returns - old_values - masked_mean(returns - old_values, mask)) ** 2, mask)
-        returns_var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-        pg, vf, clipfrac, approx_kl, vf_clipfrac = np.mean(stats, axis=0)
-        metrics = mean_over_processes({
-            "objective/scores": scores.mean().item(), "objective/kl": kl.mean().item(),
-            "objective/rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
-            "policy/loss": pg, "policy/clip_fraction": clipfrac, "policy/approx_kl": approx_kl,
-            "value/loss": vf, "value/clip_fraction": vf_clipfrac,
-            "value/explained_variance": (1 - residual_var / returns_var.clamp(min=1e-8)).item(),
-            "train/frac_with_eos": has_eos.float().mean().item(), "train/completion_length": mask.sum(1).float().mean().item(),
-            "train/skipped_steps": skipped, "time/generation_s": gen_time, "stop": float(bool(stop)),
-        }, device)
-        stopping = metrics.pop("stop")
-        log(metrics, step)
-        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
-        if step % args.eval_every == 0 or step == args.steps:
-            end = evaluate(step)
-            tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()) + f", kl {metrics['objective/kl']:.4f}")
-        if (args.save_every and step % args.save_every == 0) or stopping:  # a signal to any process stops all
-            last_checkpoint = save_checkpoint(args, step, policy, critic, tokenizer, optimizer, {
-                "schedule": schedule.state_dict(), "run_name": run_name, "start": start, "skipped": skipped,
-                "wandb_id": wandb.run.id if args.track and rank == 0 else None,
-            })
-        if stopping:
-            print(f"stopped by {(stop or ['a signal to another process'])[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if stop is None:
+            print(f"stopped by {name} during set-up; nothing to save")
             sys.exit(0)
+        stop.append(name)
+        signal.signal(signum, signal.SIG_DFL)
 
-    save_final_model(policy, tokenizer, args)  # the policy alone: a plain causal LM
-    print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
-    if rank == 0:
-        metrics_file.close()
-    if args.track and rank == 0:
-        wandb.finish()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def check_args(args: Args):
+    """Invalid flag values stop the run at once, before any model is loaded."""
+    check_ranges(args, ["steps", "prompts_per_step", "num_ppo_epochs", "num_mini_batches", "grad_accum_steps", "lr", "warmup_steps",
+                        "max_grad_norm", "clip_eps", "clip_eps_value", "temperature", "max_new_tokens", "max_prompt_length", "eval_every",
+                        "eval_size", "keep_checkpoints"],
+                 ["vf_coef", "kl_coef", "missing_eos_penalty", "seed", "save_every"])
+    if args.prompts_per_step < args.num_mini_batches * args.grad_accum_steps:
+        fail(f"--prompts-per-step ({args.prompts_per_step}) must be at least --num-mini-batches × --grad-accum-steps")
+    if args.prompts_per_step % args.num_mini_batches:
+        fail(f"--prompts-per-step ({args.prompts_per_step}) must be divisible by --num-mini-batches ({args.num_mini_batches})")
+    if not 0 <= args.lam <= 1 or not 0 <= args.gamma <= 1:
+        fail(f"--gamma and --lam must be in [0, 1] (got {args.gamma}, {args.lam})")
+
+
+def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
+    """Each named flag must be a finite number > 0 (positive) or ≥ 0 (non_negative); else one error line."""
+    for names, bound in ((positive, "positive"), (non_negative, "0 or positive")):
+        for name in names:
+            value = getattr(args, name)
+            if not math.isfinite(value) or value < 0 or (value == 0 and bound == "positive"):
+                fail(f"--{name.replace('_', '-')} must be {bound} (got {value})")
+
+
+def fail(message: str):
+    """A user error: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def probe_writable(directory: str):
+    """Creates `directory` and writes and removes a small file in it, so that an unwritable --output-dir
+    stops the run before any work instead of at the first save."""
+    if os.path.isfile(directory):
+        fail(f"cannot write to {directory}: it is a file, not a directory")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        fail(f"cannot write to {directory}: {e.strerror or e}")
+
+
+def load_failure(path: str, e: Exception) -> str:
+    """One sentence on why a model, tokenizer or checkpoint at `path` cannot be loaded, naming the file at fault."""
+    if not os.path.exists(path):
+        if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a hub id is `owner/name`
+            return f"cannot load model {path!r}: no such file or directory"
+        return f"cannot load model {path!r} from the hub: {common.error_reason(e)}"
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        return f"cannot load model {path!r}: it is not a model directory (no config.json)"
+    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+        file = os.path.join(path, name)
+        try:  # which file is cut short or corrupt?
+            if name.endswith(".safetensors"):
+                with safe_open(file, "pt"):
+                    pass
+            elif name.endswith(".json"):
+                with open(file) as f:
+                    json.load(f)
+        except Exception as bad:
+            return f"cannot load model {path!r}: {file} is corrupt or cut short ({common.error_reason(bad)})"
+    return f"cannot load model {path!r}: {common.error_reason(e)}"
+
+
+def write_failed(path: str, e: Exception, output_dir: str):
+    """A write that failed (disk full, permissions): its partial directory is removed and the run stops with
+    one line naming the last complete checkpoint; files written before are untouched."""
+    shutil.rmtree(path, ignore_errors=True)
+    last = (checkpoints(output_dir) or ["none"])[-1]
+    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
+             f"last complete checkpoint: {last}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -41,14 +42,32 @@ import common
 
 @dataclass
 class Args:
+    # model and data
     model: str = "models/sft"
     """model to start from (hub id or path); it gets a new scalar head"""
     dataset: str = "arithmetic"
     """`arithmetic` (built-in preferences), a hub id, or a local preference .jsonl/.json/.parquet file"""
     dataset_config: str | None = None
     """the hub dataset's configuration name, if it has several"""
+    max_length: int = 1024
+    """prompt and completions are each truncated to this many tokens (prompts from the left)"""
     output_dir: str = "models/reward"
     """where the reward model and tokenizer are saved"""
+    trust_remote_code: bool = False
+    """allow model repositories to run their own code"""
+    # the objective
+    center_rewards_coef: float = 0.0
+    """weight of (r_w + r_l)² in the loss, which keeps rewards centred during training (0: off)"""
+    # pairs sampled from the starting model (built-in task)
+    sample_pairs: int = 4
+    """rows with answers (the built-in task): train and evaluate on pairs of the starting model's own
+    samples, this many per prompt, a correct one vs a wrong one: the mistakes PPO's policy will make (0: the
+    dataset's fixed pairs)"""
+    sample_temperature: float = 0.7
+    """temperature of those samples (ppo.py samples at 0.7 too)"""
+    sample_prompts: int = 60000
+    """training prompts sampled for those pairs (about 60% give a pair)"""
+    # optimisation
     steps: int = 4500
     """optimiser steps"""
     batch_size: int = 64
@@ -63,22 +82,12 @@ class Args:
     """after the warm-up, decay the learning rate linearly to 0 at the last step (--no-lr-decay: constant)"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold (global L2 norm)"""
-    sample_pairs: int = 4
-    """rows with answers (the built-in task): train and evaluate on pairs of the starting model's own
-    samples, this many per prompt, a correct one vs a wrong one: the mistakes PPO's policy will make (0: the
-    dataset's fixed pairs)"""
-    sample_temperature: float = 0.7
-    """temperature of those samples (ppo.py samples at 0.7 too)"""
-    sample_prompts: int = 60000
-    """training prompts sampled for those pairs (about 60% give a pair)"""
-    center_rewards_coef: float = 0.0
-    """weight of (r_w + r_l)² in the loss, which keeps rewards centred during training (0: off)"""
-    max_length: int = 1024
-    """prompt and completions are each truncated to this many tokens (prompts from the left)"""
+    # evaluation
     eval_every: int = 100
     """evaluate pairwise accuracy on the held-out split every this many steps (and at the end)"""
     eval_size: int = 500
     """held-out pairs used for evaluation"""
+    # run: precision, processes, logging, checkpoints
     seed: int = 1
     """seed for torch, python and numpy"""
     bf16: bool = torch.cuda.is_available()
@@ -87,8 +96,6 @@ class Args:
     """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
     gradient_checkpointing: bool = False
     """recompute activations during the backward pass: much less memory for long sequences, ~1/3 more compute"""
-    trust_remote_code: bool = False
-    """allow model repositories to run their own code"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "align"
@@ -107,7 +114,7 @@ class Args:
     """skip optimiser steps whose loss or gradient norm is NaN/inf (counted) instead of stopping"""
 
 
-# ---------------------------------------------------------------- math
+# ---------------------------------------------------------------- the math
 def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, margin: torch.Tensor | None = None) -> torch.Tensor:
     """ℒ = −log σ(r_w − r_l − m) per pair [B] (logsigmoid: stable for large reward gaps)."""
     diff = chosen_rewards - rejected_rewards
@@ -116,21 +123,7 @@ def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Ten
     return -F.logsigmoid(diff)
 
 
-# ---------------------------------------------------------------- helpers
-@torch.no_grad()
-def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
-    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
-    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
-    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
-    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
-    own = model.generation_config
-    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
-    try:
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
-    finally:
-        model.generation_config = own
-
-
+# ---------------------------------------------------------------- the method's helpers
 def load_reward_model(path: str, trust_remote_code: bool):
     """A sequence-classification model with one output, fp32, every dropout probability at 0."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, num_labels=1)
@@ -158,6 +151,20 @@ def pair_batch(prompts, rows, tokenizer, max_length: int, device, eos_ids: list[
     return {k: v.to(device) for k, v in common.collate(prompts * 2, completions, tokenizer.pad_token_id).items()}
 
 
+@torch.no_grad()
+def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
+    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
+    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
+    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
+    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
+    own = model.generation_config
+    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
+    try:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
+    finally:
+        model.generation_config = own
+
+
 def sample_pairs(model, tokenizer, prompts, rows, k: int, temperature: float, max_new_tokens: int, batch_size: int, device,
                  show_progress: bool = True) -> list[dict]:
     """Pairs from a causal LM's own samples, labelled by the answer key: k completions per prompt; a prompt
@@ -177,7 +184,273 @@ def sample_pairs(model, tokenizer, prompts, rows, k: int, temperature: float, ma
     return pairs
 
 
-# ---------------------------------------------------------------- several processes (torchrun)
+def own_pairs(args: Args, run: SimpleNamespace, lm, tokenizer, rows: list[dict], autocast) -> list[dict]:
+    """sample_pairs from the starting model over `rows`, each process a share, gathered: every process gets the same pairs."""
+    mine = rows[run.rank * len(rows) // run.world : (run.rank + 1) * len(rows) // run.world]
+    prompt_ids = common.tokenize(tokenizer, [r["prompt"] for r in mine], max_length=args.max_length, left_truncate=True)
+    with autocast:  # 8 new tokens: the built-in task's answers have at most 4 digits
+        pairs = sample_pairs(lm, tokenizer, prompt_ids, mine, args.sample_pairs, args.sample_temperature, 8, 8 * args.batch_size,
+                             run.device, show_progress=run.rank == 0)
+    shares = [pairs]
+    if dist.is_initialized():
+        shares = [None] * run.world
+        dist.all_gather_object(shares, pairs)
+    return [pair for share in shares for pair in share]
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, eos_ids, rows, prompts, args: Args, device, autocast) -> dict:
+    """Held-out pairwise accuracy (the share of pairs with r_w > r_l) and mean margin r_w − r_l."""
+    model.eval()
+    wins, margins = [], []
+    for i in range(0, len(rows), args.batch_size):  # never more memory than a training batch
+        batch = pair_batch(prompts[i : i + args.batch_size], rows[i : i + args.batch_size], tokenizer, args.max_length, device, eos_ids)
+        with autocast:
+            chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
+        wins += (chosen > rejected).tolist()
+        margins += (chosen - rejected).tolist()
+    model.train()
+    return {"eval/accuracy": float(np.mean(wins)), "eval/margin": float(np.mean(margins))}
+
+
+@torch.no_grad()
+def centre_rewards(model, tokenizer, eos_ids, rows, prompts, args: Args, device, autocast) -> float:
+    """Centres the rewards PPO will see: the mean score over (up to 1024) training completions becomes 0. The
+    usual head (nn.Linear without bias) has no bias to shift; then the offset is saved as
+    config.reward_offset, which grpo.py and ppo.py subtract from every score. Returns the offset."""
+    model.eval()
+    sample = list(range(0, len(rows), max(1, len(rows) // 1024)))[:1024]
+    scores = []
+    for k in range(0, len(sample), args.batch_size):
+        chunk = sample[k : k + args.batch_size]
+        batch = pair_batch([prompts[i] for i in chunk], [rows[i] for i in chunk], tokenizer, args.max_length, device, eos_ids)
+        with autocast:
+            scores.append(reward_scores(model, batch["input_ids"], batch["attention_mask"]))
+    offset = torch.cat(scores).mean().item()
+    if getattr(model.score, "bias", None) is not None:
+        model.score.bias.data -= offset
+        model.config.reward_offset = 0.0
+    else:
+        model.config.reward_offset = offset
+    return offset
+
+
+def main(args: Args):
+    run = start_run(args, "reward")  # flags checked, --resume found, seeds set, torchrun's processes joined
+    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+
+    # 1. r_ϕ: the starting model with a new scalar head (from the checkpoint on resume)
+    if args.model == "models/sft" and not os.path.isfile("models/sft/config.json"):  # (an interrupted sft.py leaves it empty)
+        fail("models/sft not found: run `python sft.py` first (or pass --model)")
+    try:
+        path = args.model
+        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+        path = run.checkpoint or args.model
+        model = load_reward_model(path, args.trust_remote_code).to(run.device).train()
+    except Exception as e:
+        fail(load_failure(path, e))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    try:  # completions end at the first of any EOS id the starting model's generation_config lists (chat models: several)
+        eos_ids = common.eos_token_ids(tokenizer, GenerationConfig.from_pretrained(args.model))
+    except OSError:  # none saved
+        eos_ids = common.eos_token_ids(tokenizer)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = wrap(model, args)
+
+    # 2. preference pairs (x, y_w, y_l): the dataset's, or on the built-in task the starting model's own samples
+    train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
+    sampled = bool(run.state and "pairs" in run.state)
+    if sampled:  # resumed: the very pairs the run started with
+        train_rows, eval_rows = run.state["pairs"]
+    elif args.sample_pairs and all(r.get("answer") is not None for r in eval_rows):
+        # The fixed pairs' slips are not the mistakes the policy makes: a reward model trained on them picks
+        # wrong answers among the policy's own samples, and PPO learns to give them (see README).
+        t_sample, lm = time.time(), AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=torch.float32, trust_remote_code=args.trust_remote_code, use_safetensors=True).to(run.device).eval()
+        n_prompts, n_eval = min(len(train_rows), args.sample_prompts), len(eval_rows)
+        # held-out first, so that its pairs do not depend on --sample-prompts
+        eval_rows = own_pairs(args, run, lm, tokenizer, eval_rows, autocast)
+        train_rows, sampled = own_pairs(args, run, lm, tokenizer, train_rows[:n_prompts], autocast), True
+        del lm
+        if not eval_rows:
+            fail(f"none of the {n_eval} held-out prompts had both a right and a wrong sample: raise --eval-size or --sample-pairs, "
+                 "or pass --sample-pairs 0 for the fixed pairs")
+        print(f"sampled {args.sample_pairs} completions at T={args.sample_temperature} for each of {n_prompts} train and {n_eval} "
+              f"held-out prompts from {args.model}: a right and a wrong one → a pair ({time.time() - t_sample:.0f} s)")
+    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
+    eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_length, left_truncate=True)
+    print(f"reward model from {args.model} on {run.device} × {run.world}; {len(train_rows)} train / {len(eval_rows)} held-out pairs")
+    step_rows = args.batch_size * args.grad_accum_steps * run.world
+    if len(train_rows) < step_rows:
+        fail(f"{len(train_rows)} training pairs are fewer than one step's {step_rows} (batch size × accumulation steps × processes)")
+
+    # 3. AdamW (fused: one kernel, no parameter-sized temporaries), linear warm-up then linear decay to 0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
+        (s + 1) / args.warmup_steps, max(0.0, (args.steps - s) / max(1, args.steps - args.warmup_steps)) if args.lr_decay else 1.0))
+    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)  # the same order in every process
+    first_step = begin_training(args, run, model, optimizer, schedule, batches)
+
+    def run_eval(step: int) -> dict:
+        metrics = evaluate(model, tokenizer, eos_ids, eval_rows, eval_prompts, args, run.device, autocast)
+        log(run, metrics, step)
+        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return metrics
+
+    start = end = run.state["start"] if run.state else run_eval(0)
+    progress = tqdm(range(first_step, args.steps + 1), desc="reward", dynamic_ncols=True, disable=run.rank > 0 or None)
+    for step in progress:
+        # 4. the Bradley–Terry loss on a batch of pairs, gradients summed over micro-batches and processes
+        idx = next(batches)
+        totals = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0}
+        for k in range(args.grad_accum_steps):
+            mine = process_share(idx, run, args.batch_size, micro_batch=k)
+            rows = [train_rows[i] for i in mine]
+            batch = pair_batch([prompts[i] for i in mine], rows, tokenizer, args.max_length, run.device, eos_ids)
+            with autocast:  # chosen and rejected in one forward pass
+                chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
+            margin = torch.tensor([r["margin"] for r in rows], device=run.device) if "margin" in rows[0] else None
+            losses = bradley_terry_loss(chosen, rejected, margin)
+            if args.center_rewards_coef:
+                losses = losses + args.center_rewards_coef * (chosen + rejected) ** 2
+            loss = losses.sum() / (len(idx) / run.world)  # the step's mean over all its pairs, once averaged over processes
+            loss.backward()
+            totals["loss"] += loss.item()
+            totals["accuracy"] += (chosen > rejected).float().mean().item() / args.grad_accum_steps
+            totals["margin"] += (chosen - rejected).mean().item() / args.grad_accum_steps
+        average_gradients(model, args)
+        totals = mean_over_processes(totals, run.device)
+        grad_norm = optimizer_step(args, run, step, [model], optimizer, totals["loss"])
+        schedule.step()
+
+        # 5. log, evaluate, checkpoint
+        progress.set_postfix(loss=f"{totals['loss']:.4f}")
+        log(run, {**{f"train/{k}": v for k, v in totals.items()}, "train/grad_norm": grad_norm, "train/lr": schedule.get_last_lr()[0],
+                  "train/skipped_steps": run.skipped}, step)
+        if step % args.eval_every == 0 or step == args.steps:
+            end = run_eval(step)
+        maybe_checkpoint(args, run, step, model, tokenizer, optimizer, schedule, start,
+                         lambda: {"pairs": [train_rows, eval_rows]} if sampled else {})
+
+    # 6. centre the rewards (mean 0 over training completions), then save
+    offset = centre_rewards(model, tokenizer, eos_ids, train_rows, prompts, args, run.device, autocast)
+    print(f"mean training reward {offset:+.4f} centred to 0")
+    finish_run(args, run, model, tokenizer, start, end)
+
+
+# ======================================================================================================
+# Infrastructure: torchrun, checkpoints and resume, logging, signals, user errors. Not part of the method:
+# the helpers below are the same in every script (tests/test_copies.py checks it).
+# ======================================================================================================
+def start_run(args: Args, script: str) -> SimpleNamespace:
+    """What every run does before the method: a signal now exits at once (nothing to save yet), bad flags
+    stop it with one line, --resume finds its checkpoint, the seeds are set and torchrun's processes join.
+    Returns `run`: rank, world, device, checkpoint and its state (None on a fresh run), the run's name, and
+    what the loop keeps (skipped steps, the last checkpoint, stop signals, the metrics file and wandb)."""
+    t_start = time.time()  # every metrics row carries the wall time since here
+    on_stop_signal(None)
+    check_args(args)
+    probe_writable(args.output_dir)
+    checkpoint, state = load_checkpoint(args)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    rank, world, device = init_distributed()
+    if rank:  # only the first process prints, logs and saves
+        sys.stdout = open(os.devnull, "w")
+    name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
+    return SimpleNamespace(rank=rank, world=world, device=device, checkpoint=checkpoint, state=state, name=name, t_start=t_start,
+                           skipped=state["skipped"] if state else 0, last_checkpoint=checkpoint, stop=[], metrics_file=None, wandb=None)
+
+
+def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
+    """Opens the metrics file (and wandb with --track). On --resume, puts back the optimiser, the schedule,
+    the data position (the batches already drawn) and each process's RNG. From here on a signal finishes
+    the step, saves a checkpoint and exits 0. Returns the first step to run."""
+    if run.state:
+        if len(run.state["rng"]) != run.world:
+            fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
+        set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        schedule.load_state_dict(run.state["schedule"])
+        for _ in range(run.state["step"]):
+            next(batches)
+        restore_rng(run.state["rng"][run.rank])
+        print(f"resuming from {run.checkpoint} (step {run.state['step']})")
+    if run.rank == 0:
+        run.metrics_file = open_metrics(run.name, run.state["step"] if run.state else None)
+    if args.track and run.rank == 0:
+        import wandb
+
+        run.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run.name, config=asdict(args),
+                               id=run.state.get("wandb_id") if run.state else None, resume="allow")
+    on_stop_signal(run.stop)
+    return run.state["step"] + 1 if run.state else 1
+
+
+def process_share(indices: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
+    """This process's `size` rows of a step's `indices`: micro-batch k of process r is the (k·world + r)-th slice."""
+    return indices[(micro_batch * run.world + run.rank) * size :][:size]
+
+
+def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | None = None):
+    """A row of runs/<name>/metrics.jsonl (first process only) and, with --track, of wandb (samples: a table)."""
+    if run.rank:
+        return
+    run.metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}) + "\n")
+    run.metrics_file.flush()
+    if run.wandb:
+        import wandb
+
+        table = {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])} if samples else {}
+        run.wandb.log({**metrics, **table}, step=step)
+
+
+def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, optimizer, loss: float) -> float:
+    """Clips each model's gradient norm to --max-grad-norm and steps, unless the loss (the same in every
+    process) or the norm is NaN/inf: then the step is skipped (--skip-nonfinite, counted) or the run stops,
+    naming the last good checkpoint. Returns the gradient norm (summed over `models`)."""
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), args.max_grad_norm) for m in models]
+    grad_norm = sum(n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms)  # FSDP2: DTensors
+    if math.isfinite(loss) and torch.isfinite(grad_norm):
+        optimizer.step()
+    elif args.skip_nonfinite:
+        run.skipped += 1
+    else:
+        sys.exit(f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
+                 f"last good checkpoint: {run.last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item()
+
+
+def maybe_checkpoint(args: Args, run: SimpleNamespace, step: int, model, tokenizer, optimizer, schedule, start: dict, extra_state=dict):
+    """A checkpoint every --save-every steps, and when any process got a stop signal: then the run exits 0.
+    `extra_state()`: what else this script's checkpoints hold (called in every process, only when saving)."""
+    stopping = mean_over_processes({"stop": float(bool(run.stop))}, run.device)["stop"] > 0  # a signal to one stops all
+    if (args.save_every and step % args.save_every == 0) or stopping:
+        run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, {
+            "schedule": schedule.state_dict(), "run_name": run.name, "start": start, "skipped": run.skipped,
+            "wandb_id": run.wandb.id if run.wandb else None, **extra_state(),
+        })
+    if stopping:
+        print(f"stopped by {(run.stop or ['a signal to another process'])[0]} after step {step}; saved {run.last_checkpoint}; "
+              "continue with --resume latest")
+        sys.exit(0)
+
+
+def finish_run(args: Args, run: SimpleNamespace, model, tokenizer, start: dict, end: dict):
+    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs."""
+    save_final_model(model, tokenizer, args)
+    print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
+    if run.metrics_file:
+        run.metrics_file.close()
+    if run.wandb:
+        run.wandb.finish()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_distributed() -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: one process per device, NCCL on CUDA, gloo on the CPU."""
     cuda = torch.cuda.is_available()
@@ -203,8 +476,9 @@ def wrap(model, args: Args):
 
 
 def average_gradients(model, args: Args):
-    """Data parallel by hand: each gradient becomes its mean over processes (DDP would need the forward to
-    go through its wrapper, and reward_scores reads the backbone). FSDP2 averages by itself."""
+    """Data parallel by hand: each gradient becomes its mean over processes (DDP would need the forward to go
+    through its wrapper; reward model and critic are read through their backbone and score head). FSDP2
+    averages by itself."""
     if dist.is_initialized() and not args.fsdp:
         for p in model.parameters():
             if p.grad is not None:
@@ -237,68 +511,6 @@ def save_model(model, tokenizer, path: str, args: Args):
         tokenizer.save_pretrained(path)
 
 
-# ---------------------------------------------------------------- user errors, checkpoints
-def fail(message: str):
-    """A user error: one line on stderr, exit code 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
-    """Each named flag must be a finite number > 0 (positive) or ≥ 0 (non_negative); else one error line."""
-    for names, bound in ((positive, "positive"), (non_negative, "0 or positive")):
-        for name in names:
-            value = getattr(args, name)
-            if not math.isfinite(value) or value < 0 or (value == 0 and bound == "positive"):
-                fail(f"--{name.replace('_', '-')} must be {bound} (got {value})")
-
-
-def probe_writable(directory: str):
-    """Creates `directory` and writes and removes a small file in it, so that an unwritable --output-dir
-    stops the run before any work instead of at the first save."""
-    if os.path.isfile(directory):
-        fail(f"cannot write to {directory}: it is a file, not a directory")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".write-test-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        fail(f"cannot write to {directory}: {e.strerror or e}")
-
-
-def load_failure(path: str, e: Exception) -> str:
-    """One sentence on why a model, tokenizer or checkpoint at `path` cannot be loaded, naming the file at fault."""
-    if not os.path.exists(path):
-        if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a hub id is `owner/name`
-            return f"cannot load model {path!r}: no such file or directory"
-        return f"cannot load model {path!r} from the hub: {common.error_reason(e)}"
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        return f"cannot load model {path!r}: it is not a model directory (no config.json)"
-    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
-        file = os.path.join(path, name)
-        try:  # which file is cut short or corrupt?
-            if name.endswith(".safetensors"):
-                with safe_open(file, "pt"):
-                    pass
-            elif name.endswith(".json"):
-                with open(file) as f:
-                    json.load(f)
-        except Exception as bad:
-            return f"cannot load model {path!r}: {file} is corrupt or cut short ({common.error_reason(bad)})"
-    return f"cannot load model {path!r}: {common.error_reason(e)}"
-
-
-def write_failed(path: str, e: Exception, output_dir: str):
-    """A write that failed (disk full, permissions): its partial directory is removed and the run stops with
-    one line naming the last complete checkpoint; files written before are untouched."""
-    shutil.rmtree(path, ignore_errors=True)
-    last = (checkpoints(output_dir) or ["none"])[-1]
-    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
-             f"last complete checkpoint: {last}")
-
-
 def save_final_model(model, tokenizer, args: Args):
     """The trained model in output_dir, written like a checkpoint: to output_dir/final.tmp, then moved over
     the previous model's files, so a failed write (disk full) leaves the previous model whole."""
@@ -318,32 +530,6 @@ def save_final_model(model, tokenizer, args: Args):
             os.rmdir(tmp)
     except Exception as e:
         write_failed(tmp, e, args.output_dir)
-
-
-def on_stop_signal(stop: list | None):
-    """SIGINT/SIGTERM. During set-up (`stop` None): exit 0 at once, there is nothing to save yet. During
-    training: the signal's name goes into `stop`, the step finishes, a checkpoint is saved and the run exits 0;
-    a second signal stops at once."""
-
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
-        if stop is None:
-            print(f"stopped by {name} during set-up; nothing to save")
-            sys.exit(0)
-        stop.append(name)
-        signal.signal(signum, signal.SIG_DFL)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
-
-
-def check_args(args: Args):
-    """Invalid flag values stop the run at once, before any model is loaded."""
-    check_ranges(args, ["steps", "batch_size", "grad_accum_steps", "lr", "warmup_steps", "max_grad_norm", "sample_temperature",
-                        "sample_prompts", "max_length", "eval_every", "eval_size", "keep_checkpoints"],
-                 ["center_rewards_coef", "seed", "save_every"])
-    if args.sample_pairs == 1 or args.sample_pairs < 0:
-        fail(f"--sample-pairs must be 0 (the fixed pairs) or at least 2 samples per prompt (got {args.sample_pairs})")
 
 
 def checkpoints(output_dir: str) -> list[str]:
@@ -452,209 +638,91 @@ def open_metrics(run_name: str, resumed_step: int | None):
     return open(path, "a")
 
 
-def main(args: Args):
-    on_stop_signal(None)  # a signal during set-up exits at once: nothing to save yet
-    check_args(args)
-    probe_writable(args.output_dir)
-    t_start = time.time()  # every metrics row carries the wall time since here
-    checkpoint, state = load_checkpoint(args)
-    run_name = state["run_name"] if state else args.run_name or f"reward__{args.seed}__{int(time.time())}"
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    rank, world, device = init_distributed()
-    if rank:  # only the first process prints, logs and saves
-        sys.stdout = open(os.devnull, "w")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+def on_stop_signal(stop: list | None):
+    """SIGINT/SIGTERM. During set-up (`stop` None): exit 0 at once, there is nothing to save yet. During
+    training: the signal's name goes into `stop`, the step finishes, a checkpoint is saved and the run exits 0;
+    a second signal stops at once."""
 
-    if args.model == "models/sft" and not os.path.isfile("models/sft/config.json"):  # (an interrupted sft.py leaves it empty)
-        fail("models/sft not found: run `python sft.py` first (or pass --model)")
-    try:
-        path = args.model
-        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
-        path = checkpoint or args.model
-        model = load_reward_model(path, args.trust_remote_code).to(device).train()
-    except Exception as e:
-        fail(load_failure(path, e))
-    if tokenizer.pad_token is None:  # the score is read by position, so padding with EOS is safe
-        tokenizer.pad_token = tokenizer.eos_token
-        print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
-    model.config.pad_token_id = tokenizer.pad_token_id
-    try:  # completions end at the first of any EOS id the starting model's generation_config lists (chat models: several)
-        eos_ids = common.eos_token_ids(tokenizer, GenerationConfig.from_pretrained(args.model))
-    except OSError:  # none saved
-        eos_ids = common.eos_token_ids(tokenizer)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = wrap(model, args)
-
-    train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
-    eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
-    sampled = bool(state and "pairs" in state)
-    if sampled:  # resumed: the very pairs the run started with
-        train_rows, eval_rows = state["pairs"]
-    elif args.sample_pairs and all(r.get("answer") is not None for r in eval_rows):
-        # The fixed pairs' slips are not the mistakes the policy makes: a reward model trained on them picks
-        # wrong answers among the policy's own samples, and PPO learns to give them (see README).
-        t_sample, lm = time.time(), AutoModelForCausalLM.from_pretrained(
-            args.model, dtype=torch.float32, trust_remote_code=args.trust_remote_code, use_safetensors=True).to(device).eval()
-
-        def own_pairs(rows: list[dict]) -> list[dict]:
-            """sample_pairs over `rows`, each process a share, gathered: every process gets the same pairs."""
-            mine = rows[rank * len(rows) // world : (rank + 1) * len(rows) // world]
-            prompt_ids = common.tokenize(tokenizer, [r["prompt"] for r in mine], max_length=args.max_length, left_truncate=True)
-            with autocast:  # 8 new tokens: the built-in task's answers have at most 4 digits
-                pairs = sample_pairs(lm, tokenizer, prompt_ids, mine, args.sample_pairs, args.sample_temperature, 8, 8 * args.batch_size,
-                                     device, show_progress=rank == 0)
-            shares = [pairs]
-            if dist.is_initialized():
-                shares = [None] * world
-                dist.all_gather_object(shares, pairs)
-            return [pair for share in shares for pair in share]
-
-        n_prompts, n_eval = min(len(train_rows), args.sample_prompts), len(eval_rows)
-        # held-out first, so that its pairs do not depend on --sample-prompts
-        eval_rows, train_rows, sampled = own_pairs(eval_rows), own_pairs(train_rows[:n_prompts]), True
-        del lm
-        if not eval_rows:
-            fail(f"none of the {n_eval} held-out prompts had both a right and a wrong sample: raise --eval-size or --sample-pairs, "
-                 "or pass --sample-pairs 0 for the fixed pairs")
-        print(f"sampled {args.sample_pairs} completions at T={args.sample_temperature} for each of {n_prompts} train and {n_eval} "
-              f"held-out prompts from {args.model}: a right and a wrong one → a pair ({time.time() - t_sample:.0f} s)")
-    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
-    eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_length, left_truncate=True)
-    print(f"reward model from {args.model} on {device} × {world}; {len(train_rows)} train / {len(eval_rows)} held-out pairs")
-    step_rows = args.batch_size * args.grad_accum_steps * world
-    if len(train_rows) < step_rows:
-        fail(f"{len(train_rows)} training pairs are fewer than one step's {step_rows} (batch size × accumulation steps × processes)")
-
-    # fused: the whole update in one kernel, without foreach's parameter-sized temporaries (transformers' default too)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-    # the decay is worth ~2 points of held-out accuracy on the built-in task at the same budget (README)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
-        (s + 1) / args.warmup_steps, max(0.0, (args.steps - s) / max(1, args.steps - args.warmup_steps)) if args.lr_decay else 1.0))
-    if state:
-        if len(state["rng"]) != world:
-            fail(f"{checkpoint} was written by {len(state['rng'])} processes; resume it with as many")
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-        schedule.load_state_dict(state["schedule"])
-        print(f"resuming from {checkpoint} (step {state['step']})")
-    metrics_file = open_metrics(run_name, state["step"] if state else None) if rank == 0 else None
-    if args.track and rank == 0:
-        import wandb
-
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args),
-                   id=state.get("wandb_id") if state else None, resume="allow")
-
-    def log(metrics: dict, step: int):
-        if rank:
-            return
-        metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - t_start, 3)}) + "\n")
-        metrics_file.flush()
-        if args.track:
-            wandb.log(metrics, step=step)
-
-    @torch.no_grad()
-    def evaluate(step: int) -> dict:
-        """Held-out pairwise accuracy: the share of pairs with r_w > r_l."""
-        model.eval()
-        wins, margins = [], []
-        for i in range(0, len(eval_rows), args.batch_size):  # never more memory than a training batch
-            batch = pair_batch(eval_prompts[i : i + args.batch_size], eval_rows[i : i + args.batch_size], tokenizer, args.max_length, device, eos_ids)
-            with autocast:
-                chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
-            wins += (chosen > rejected).tolist()
-            margins += (chosen - rejected).tolist()
-        model.train()
-        metrics = {"eval/accuracy": float(np.mean(wins)), "eval/margin": float(np.mean(margins))}
-        log(metrics, step)
-        return metrics
-
-    start = state["start"] if state else evaluate(0)
-    print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in start.items()))
-    end, last_checkpoint, skipped = start, checkpoint, state["skipped"] if state else 0
-    first_step = state["step"] + 1 if state else 1
-    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)  # the same order in every process
-    for _ in range(first_step - 1):  # the data position: batches already drawn
-        next(batches)
-    if state:
-        restore_rng(state["rng"][rank])
-    stop = []  # from here on a signal finishes the step, saves a checkpoint and exits 0
-    on_stop_signal(stop)
-    progress = tqdm(range(first_step, args.steps + 1), desc="reward", dynamic_ncols=True, disable=rank > 0 or None)
-    for step in progress:
-        idx = next(batches)
-        totals = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0}
-        for k in range(args.grad_accum_steps):
-            mine = idx[(k * world + rank) * args.batch_size :][: args.batch_size]  # this process's share
-            rows = [train_rows[i] for i in mine]
-            batch = pair_batch([prompts[i] for i in mine], rows, tokenizer, args.max_length, device, eos_ids)
-            with autocast:  # chosen and rejected in one forward pass
-                chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
-            margin = torch.tensor([r["margin"] for r in rows], device=device) if "margin" in rows[0] else None
-            losses = bradley_terry_loss(chosen, rejected, margin)
-            if args.center_rewards_coef:
-                losses = losses + args.center_rewards_coef * (chosen + rejected) ** 2
-            loss = losses.sum() / (len(idx) / world)  # the step's mean over all its pairs, once averaged over processes
-            loss.backward()
-            totals["loss"] += loss.item()
-            totals["accuracy"] += (chosen > rejected).float().mean().item() / args.grad_accum_steps
-            totals["margin"] += (chosen - rejected).mean().item() / args.grad_accum_steps
-        average_gradients(model, args)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
-        metrics = mean_over_processes({**totals, "stop": float(bool(stop))}, device)
-        stopping = metrics.pop("stop")
-        if math.isfinite(metrics["loss"]) and torch.isfinite(grad_norm):
-            optimizer.step()
-        elif args.skip_nonfinite:
-            skipped += 1
-        else:
-            sys.exit(f"error: non-finite loss ({metrics['loss']}) or gradient norm ({grad_norm.item()}) at step {step}; "
-                     f"last good checkpoint: {last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-        progress.set_postfix(loss=f"{metrics['loss']:.4f}")
-        log({**{f"train/{k}": v for k, v in metrics.items()}, "train/grad_norm": grad_norm.item(), "train/lr": schedule.get_last_lr()[0],
-             "train/skipped_steps": skipped}, step)
-        if step % args.eval_every == 0 or step == args.steps:
-            end = evaluate(step)
-            tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in end.items()))
-        if (args.save_every and step % args.save_every == 0) or stopping:  # a signal to any process stops all
-            last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, {
-                "schedule": schedule.state_dict(), "run_name": run_name, "start": start, "skipped": skipped,
-                "wandb_id": wandb.run.id if args.track and rank == 0 else None, **({"pairs": [train_rows, eval_rows]} if sampled else {}),
-            })
-        if stopping:
-            print(f"stopped by {(stop or ['a signal to another process'])[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if stop is None:
+            print(f"stopped by {name} during set-up; nothing to save")
             sys.exit(0)
+        stop.append(name)
+        signal.signal(signum, signal.SIG_DFL)
 
-    # Centre the rewards PPO will see: the mean score over training completions becomes 0. The usual head
-    # (nn.Linear without bias) has no bias to shift; then the offset is saved as config.reward_offset,
-    # which grpo.py and ppo.py subtract from every score.
-    model.eval()
-    with torch.no_grad(), autocast:
-        sample = list(range(0, len(train_rows), max(1, len(train_rows) // 1024)))[:1024]
-        offset = torch.cat([
-            reward_scores(model, b["input_ids"], b["attention_mask"]) for b in (
-                pair_batch([prompts[i] for i in sample[k : k + args.batch_size]], [train_rows[i] for i in sample[k : k + args.batch_size]],
-                           tokenizer, args.max_length, device, eos_ids)
-                for k in range(0, len(sample), args.batch_size))
-        ]).mean().item()
-    if getattr(model.score, "bias", None) is not None:
-        model.score.bias.data -= offset
-        model.config.reward_offset = 0.0
-    else:
-        model.config.reward_offset = offset
-    save_final_model(model, tokenizer, args)
-    print(f"held-out pairwise accuracy {start['eval/accuracy']:.4f} → {end['eval/accuracy']:.4f}; "
-          f"mean training reward {offset:+.4f} centred to 0; saved to {args.output_dir}")
-    if rank == 0:
-        metrics_file.close()
-    if args.track and rank == 0:
-        wandb.finish()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def check_args(args: Args):
+    """Invalid flag values stop the run at once, before any model is loaded."""
+    check_ranges(args, ["steps", "batch_size", "grad_accum_steps", "lr", "warmup_steps", "max_grad_norm", "sample_temperature",
+                        "sample_prompts", "max_length", "eval_every", "eval_size", "keep_checkpoints"],
+                 ["center_rewards_coef", "seed", "save_every"])
+    if args.sample_pairs == 1 or args.sample_pairs < 0:
+        fail(f"--sample-pairs must be 0 (the fixed pairs) or at least 2 samples per prompt (got {args.sample_pairs})")
+
+
+def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
+    """Each named flag must be a finite number > 0 (positive) or ≥ 0 (non_negative); else one error line."""
+    for names, bound in ((positive, "positive"), (non_negative, "0 or positive")):
+        for name in names:
+            value = getattr(args, name)
+            if not math.isfinite(value) or value < 0 or (value == 0 and bound == "positive"):
+                fail(f"--{name.replace('_', '-')} must be {bound} (got {value})")
+
+
+def fail(message: str):
+    """A user error: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def probe_writable(directory: str):
+    """Creates `directory` and writes and removes a small file in it, so that an unwritable --output-dir
+    stops the run before any work instead of at the first save."""
+    if os.path.isfile(directory):
+        fail(f"cannot write to {directory}: it is a file, not a directory")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        fail(f"cannot write to {directory}: {e.strerror or e}")
+
+
+def load_failure(path: str, e: Exception) -> str:
+    """One sentence on why a model, tokenizer or checkpoint at `path` cannot be loaded, naming the file at fault."""
+    if not os.path.exists(path):
+        if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a hub id is `owner/name`
+            return f"cannot load model {path!r}: no such file or directory"
+        return f"cannot load model {path!r} from the hub: {common.error_reason(e)}"
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        return f"cannot load model {path!r}: it is not a model directory (no config.json)"
+    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+        file = os.path.join(path, name)
+        try:  # which file is cut short or corrupt?
+            if name.endswith(".safetensors"):
+                with safe_open(file, "pt"):
+                    pass
+            elif name.endswith(".json"):
+                with open(file) as f:
+                    json.load(f)
+        except Exception as bad:
+            return f"cannot load model {path!r}: {file} is corrupt or cut short ({common.error_reason(bad)})"
+    return f"cannot load model {path!r}: {common.error_reason(e)}"
+
+
+def write_failed(path: str, e: Exception, output_dir: str):
+    """A write that failed (disk full, permissions): its partial directory is removed and the run stops with
+    one line naming the last complete checkpoint; files written before are untouched."""
+    shutil.rmtree(path, ignore_errors=True)
+    last = (checkpoints(output_dir) or ["none"])[-1]
+    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
+             f"last complete checkpoint: {last}")
 
 
 if __name__ == "__main__":

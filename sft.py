@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -43,14 +44,27 @@ import common
 
 @dataclass
 class Args:
+    # model and data
     model: str | None = None
     """hub id or local path of the model to fine-tune; None builds the tiny from-scratch model"""
     dataset: str = "arithmetic"
     """`arithmetic` (built-in), a hub id, or a local .jsonl/.json/.parquet file"""
     dataset_config: str | None = None
     """the hub dataset's configuration name, if it has several"""
+    max_length: int = 1024
+    """prompt and completion are each truncated to this many tokens (prompts from the left)"""
     output_dir: str = "models/sft"
     """where the model and tokenizer are saved"""
+    trust_remote_code: bool = False
+    """allow model repositories to run their own code (off: only transformers' own architectures)"""
+    # the tiny from-scratch model (when --model is not given)
+    hidden_size: int = 128
+    """tiny model only: hidden size"""
+    num_layers: int = 2
+    """tiny model only: transformer layers"""
+    num_heads: int = 8
+    """tiny model only: attention heads"""
+    # optimisation
     steps: int = 1500
     """optimiser steps (the default takes the tiny model to the teacher's level on the built-in task)"""
     batch_size: int = 64
@@ -67,20 +81,14 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold (global L2 norm)"""
-    max_length: int = 1024
-    """prompt and completion are each truncated to this many tokens (prompts from the left)"""
+    # evaluation
     eval_every: int = 200
     """evaluate on the held-out split every this many steps (and at the end)"""
     eval_size: int = 500
     """held-out rows used for evaluation"""
     max_new_tokens: int = 8
     """generation length when measuring held-out accuracy"""
-    hidden_size: int = 128
-    """tiny model only: hidden size"""
-    num_layers: int = 2
-    """tiny model only: transformer layers"""
-    num_heads: int = 8
-    """tiny model only: attention heads"""
+    # run: precision, processes, logging, checkpoints
     seed: int = 1
     """seed for torch, python and numpy"""
     bf16: bool = torch.cuda.is_available()
@@ -89,8 +97,6 @@ class Args:
     """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
     gradient_checkpointing: bool = False
     """recompute activations during the backward pass: much less memory for long sequences, ~1/3 more compute"""
-    trust_remote_code: bool = False
-    """allow model repositories to run their own code (off: only transformers' own architectures)"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "align"
@@ -109,7 +115,7 @@ class Args:
     """skip optimiser steps whose loss or gradient norm is NaN/inf (counted) instead of stopping"""
 
 
-# ---------------------------------------------------------------- math
+# ---------------------------------------------------------------- the math
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log π(y_t | ·) of the given tokens at sampling temperature T: logits [B,T,V], tokens [B,T] → [B,T].
 
@@ -152,21 +158,7 @@ def sft_loss(logps: torch.Tensor, mask: torch.Tensor, num_tokens: float | None =
     return -(logps * mask).sum() / (mask.sum() if num_tokens is None else num_tokens)
 
 
-# ---------------------------------------------------------------- helpers
-@torch.no_grad()
-def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
-    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
-    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
-    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
-    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
-    own = model.generation_config
-    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
-    try:
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
-    finally:
-        model.generation_config = own
-
-
+# ---------------------------------------------------------------- the method's helpers
 def tiny_model(tokenizer, args: Args):
     """A from-scratch Qwen2-architecture model (RoPE, RMSNorm, SwiGLU, tied embeddings), dropout off."""
     config = Qwen2Config(
@@ -207,6 +199,20 @@ def forward_logps(model, batch: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
+def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
+    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
+    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
+    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
+    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
+    own = model.generation_config
+    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
+    try:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
+    finally:
+        model.generation_config = own
+
+
+@torch.no_grad()
 def evaluate(model, tokenizer, eos_ids: list[int], rows, args: Args, device, autocast) -> tuple[dict, list]:
     """Held-out loss, and greedy exact-match accuracy when the rows have answers; plus a few samples."""
     model.eval()
@@ -230,7 +236,7 @@ def evaluate(model, tokenizer, eos_ids: list[int], rows, args: Args, device, aut
             for row, text in zip(rows[i : i + 64], texts):
                 correct += common.is_correct(text, row["answer"])
                 if len(samples) < 5:
-                    samples.append([row["prompt"], text, row["answer"]])
+                    samples.append({"prompt": row["prompt"], "completion": text, "answer": row["answer"]})
     model.train()
     metrics = {"eval/loss": total_nll / max(total_tokens, 1)}
     if has_answers:
@@ -238,7 +244,198 @@ def evaluate(model, tokenizer, eos_ids: list[int], rows, args: Args, device, aut
     return metrics, samples
 
 
-# ---------------------------------------------------------------- several processes (torchrun)
+def main(args: Args):
+    run = start_run(args, "sft")  # flags checked, --resume found, seeds set, torchrun's processes joined
+    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+
+    # 1. the model π_θ: the tiny from-scratch one, a hub/local model, or the checkpoint being resumed
+    if args.model is None and run.checkpoint is None:
+        tokenizer = common.build_char_tokenizer()
+        model = tiny_model(tokenizer, args)
+    else:
+        path = run.checkpoint or args.model
+        try:
+            tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+            model = load_model(path, args.trust_remote_code)
+        except Exception as e:
+            fail(load_failure(path, e))
+    model.to(run.device).train()
+    print(f"model: {args.model or 'tiny Qwen2'} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters) "
+          f"on {run.device} × {run.world}, {'bf16 autocast' if args.bf16 else 'fp32'}")
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trained = wrap(model, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
+
+    # 2. the data: prompt x and completion y (ending in EOS) for every row
+    train_rows = common.load_rows(args.dataset, "train", "sft", tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", "sft", tokenizer, args.dataset_config)[: args.eval_size]
+    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
+    eos_ids = common.eos_token_ids(tokenizer, model.generation_config)  # completions end at the first of any
+    completions = common.tokenize(tokenizer, [r["completion"] for r in train_rows], add_eos=True, max_length=args.max_length, eos_ids=eos_ids)
+    print(f"data: {len(train_rows)} train rows, {len(eval_rows)} held-out rows from {args.dataset}")
+    step_rows = args.batch_size * args.grad_accum_steps * run.world
+    if len(train_rows) < step_rows:
+        fail(f"{len(train_rows)} training rows are fewer than one step's {step_rows} (batch size × accumulation steps × processes)")
+
+    # 3. AdamW (fused: one kernel, no parameter-sized temporaries), linear warm-up then linear decay to 0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
+        (s + 1) / args.warmup_steps, max(0.0, (args.steps - s) / max(1, args.steps - args.warmup_steps)) if args.lr_decay else 1.0))
+    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)  # the same order in every process
+    first_step = begin_training(args, run, model, optimizer, schedule, batches)
+
+    def run_eval(step: int) -> dict:
+        metrics, samples = evaluate(model, tokenizer, eos_ids, eval_rows, args, run.device, autocast)
+        log(run, metrics, step, samples)
+        for sample in samples[:3]:
+            tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r} (answer {sample['answer']})")
+        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return metrics
+
+    start = end = run.state["start"] if run.state else run_eval(0)
+    progress = tqdm(range(first_step, args.steps + 1), desc="sft", dynamic_ncols=True, disable=run.rank > 0 or None)
+    for step in progress:
+        # 4. one step: the batch's token-mean NLL ℒ_SFT, gradients summed over micro-batches and processes
+        idx = next(batches)
+        num_tokens = sum(len(completions[i]) for i in idx)  # the whole step's, over micro-batches and processes
+        loss = 0.0
+        for k in range(args.grad_accum_steps):
+            mine = process_share(idx, run, args.batch_size, micro_batch=k)
+            batch = common.collate([prompts[i] for i in mine], [completions[i] for i in mine], tokenizer.pad_token_id)
+            batch = {key: v.to(run.device) for key, v in batch.items()}
+            # DDP averages gradients over processes: scaling by `world` turns that into the step's token sum
+            with trained.no_sync() if isinstance(trained, DDP) and k < args.grad_accum_steps - 1 else contextlib.nullcontext():
+                with autocast:
+                    logps = forward_logps(trained, batch)
+                micro_loss = sft_loss(logps, batch["completion_mask"], num_tokens / run.world)
+                micro_loss.backward()
+            loss += micro_loss.item()
+        loss = mean_over_processes({"loss": loss}, run.device)["loss"]
+        grad_norm = optimizer_step(args, run, step, [model], optimizer, loss)
+        schedule.step()
+
+        # 5. log, evaluate, checkpoint
+        progress.set_postfix(loss=f"{loss:.4f}")
+        if step % 10 == 0:
+            log(run, {"train/loss": loss, "train/grad_norm": grad_norm, "train/lr": schedule.get_last_lr()[0], "train/skipped_steps": run.skipped}, step)
+        if step % args.eval_every == 0 or step == args.steps:
+            end = run_eval(step)
+        maybe_checkpoint(args, run, step, model, tokenizer, optimizer, schedule, start)
+
+    finish_run(args, run, model, tokenizer, start, end)
+
+
+# ======================================================================================================
+# Infrastructure: torchrun, checkpoints and resume, logging, signals, user errors. Not part of the method:
+# the helpers below are the same in every script (tests/test_copies.py checks it).
+# ======================================================================================================
+def start_run(args: Args, script: str) -> SimpleNamespace:
+    """What every run does before the method: a signal now exits at once (nothing to save yet), bad flags
+    stop it with one line, --resume finds its checkpoint, the seeds are set and torchrun's processes join.
+    Returns `run`: rank, world, device, checkpoint and its state (None on a fresh run), the run's name, and
+    what the loop keeps (skipped steps, the last checkpoint, stop signals, the metrics file and wandb)."""
+    t_start = time.time()  # every metrics row carries the wall time since here
+    on_stop_signal(None)
+    check_args(args)
+    probe_writable(args.output_dir)
+    checkpoint, state = load_checkpoint(args)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    rank, world, device = init_distributed()
+    if rank:  # only the first process prints, logs and saves
+        sys.stdout = open(os.devnull, "w")
+    name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
+    return SimpleNamespace(rank=rank, world=world, device=device, checkpoint=checkpoint, state=state, name=name, t_start=t_start,
+                           skipped=state["skipped"] if state else 0, last_checkpoint=checkpoint, stop=[], metrics_file=None, wandb=None)
+
+
+def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
+    """Opens the metrics file (and wandb with --track). On --resume, puts back the optimiser, the schedule,
+    the data position (the batches already drawn) and each process's RNG. From here on a signal finishes
+    the step, saves a checkpoint and exits 0. Returns the first step to run."""
+    if run.state:
+        if len(run.state["rng"]) != run.world:
+            fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
+        set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        schedule.load_state_dict(run.state["schedule"])
+        for _ in range(run.state["step"]):
+            next(batches)
+        restore_rng(run.state["rng"][run.rank])
+        print(f"resuming from {run.checkpoint} (step {run.state['step']})")
+    if run.rank == 0:
+        run.metrics_file = open_metrics(run.name, run.state["step"] if run.state else None)
+    if args.track and run.rank == 0:
+        import wandb
+
+        run.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run.name, config=asdict(args),
+                               id=run.state.get("wandb_id") if run.state else None, resume="allow")
+    on_stop_signal(run.stop)
+    return run.state["step"] + 1 if run.state else 1
+
+
+def process_share(indices: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
+    """This process's `size` rows of a step's `indices`: micro-batch k of process r is the (k·world + r)-th slice."""
+    return indices[(micro_batch * run.world + run.rank) * size :][:size]
+
+
+def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | None = None):
+    """A row of runs/<name>/metrics.jsonl (first process only) and, with --track, of wandb (samples: a table)."""
+    if run.rank:
+        return
+    run.metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}) + "\n")
+    run.metrics_file.flush()
+    if run.wandb:
+        import wandb
+
+        table = {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])} if samples else {}
+        run.wandb.log({**metrics, **table}, step=step)
+
+
+def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, optimizer, loss: float) -> float:
+    """Clips each model's gradient norm to --max-grad-norm and steps, unless the loss (the same in every
+    process) or the norm is NaN/inf: then the step is skipped (--skip-nonfinite, counted) or the run stops,
+    naming the last good checkpoint. Returns the gradient norm (summed over `models`)."""
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), args.max_grad_norm) for m in models]
+    grad_norm = sum(n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms)  # FSDP2: DTensors
+    if math.isfinite(loss) and torch.isfinite(grad_norm):
+        optimizer.step()
+    elif args.skip_nonfinite:
+        run.skipped += 1
+    else:
+        sys.exit(f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
+                 f"last good checkpoint: {run.last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item()
+
+
+def maybe_checkpoint(args: Args, run: SimpleNamespace, step: int, model, tokenizer, optimizer, schedule, start: dict, extra_state=dict):
+    """A checkpoint every --save-every steps, and when any process got a stop signal: then the run exits 0.
+    `extra_state()`: what else this script's checkpoints hold (called in every process, only when saving)."""
+    stopping = mean_over_processes({"stop": float(bool(run.stop))}, run.device)["stop"] > 0  # a signal to one stops all
+    if (args.save_every and step % args.save_every == 0) or stopping:
+        run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, {
+            "schedule": schedule.state_dict(), "run_name": run.name, "start": start, "skipped": run.skipped,
+            "wandb_id": run.wandb.id if run.wandb else None, **extra_state(),
+        })
+    if stopping:
+        print(f"stopped by {(run.stop or ['a signal to another process'])[0]} after step {step}; saved {run.last_checkpoint}; "
+              "continue with --resume latest")
+        sys.exit(0)
+
+
+def finish_run(args: Args, run: SimpleNamespace, model, tokenizer, start: dict, end: dict):
+    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs."""
+    save_final_model(model, tokenizer, args)
+    print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
+    if run.metrics_file:
+        run.metrics_file.close()
+    if run.wandb:
+        run.wandb.finish()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_distributed() -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: one process per device, NCCL on CUDA, gloo on the CPU."""
     cuda = torch.cuda.is_available()
@@ -289,68 +486,6 @@ def save_model(model, tokenizer, path: str, args: Args):
         tokenizer.save_pretrained(path)
 
 
-# ---------------------------------------------------------------- user errors, checkpoints
-def fail(message: str):
-    """A user error: one line on stderr, exit code 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
-    """Each named flag must be a finite number > 0 (positive) or ≥ 0 (non_negative); else one error line."""
-    for names, bound in ((positive, "positive"), (non_negative, "0 or positive")):
-        for name in names:
-            value = getattr(args, name)
-            if not math.isfinite(value) or value < 0 or (value == 0 and bound == "positive"):
-                fail(f"--{name.replace('_', '-')} must be {bound} (got {value})")
-
-
-def probe_writable(directory: str):
-    """Creates `directory` and writes and removes a small file in it, so that an unwritable --output-dir
-    stops the run before any work instead of at the first save."""
-    if os.path.isfile(directory):
-        fail(f"cannot write to {directory}: it is a file, not a directory")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".write-test-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        fail(f"cannot write to {directory}: {e.strerror or e}")
-
-
-def load_failure(path: str, e: Exception) -> str:
-    """One sentence on why a model, tokenizer or checkpoint at `path` cannot be loaded, naming the file at fault."""
-    if not os.path.exists(path):
-        if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a hub id is `owner/name`
-            return f"cannot load model {path!r}: no such file or directory"
-        return f"cannot load model {path!r} from the hub: {common.error_reason(e)}"
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        return f"cannot load model {path!r}: it is not a model directory (no config.json)"
-    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
-        file = os.path.join(path, name)
-        try:  # which file is cut short or corrupt?
-            if name.endswith(".safetensors"):
-                with safe_open(file, "pt"):
-                    pass
-            elif name.endswith(".json"):
-                with open(file) as f:
-                    json.load(f)
-        except Exception as bad:
-            return f"cannot load model {path!r}: {file} is corrupt or cut short ({common.error_reason(bad)})"
-    return f"cannot load model {path!r}: {common.error_reason(e)}"
-
-
-def write_failed(path: str, e: Exception, output_dir: str):
-    """A write that failed (disk full, permissions): its partial directory is removed and the run stops with
-    one line naming the last complete checkpoint; files written before are untouched."""
-    shutil.rmtree(path, ignore_errors=True)
-    last = (checkpoints(output_dir) or ["none"])[-1]
-    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
-             f"last complete checkpoint: {last}")
-
-
 def save_final_model(model, tokenizer, args: Args):
     """The trained model in output_dir, written like a checkpoint: to output_dir/final.tmp, then moved over
     the previous model's files, so a failed write (disk full) leaves the previous model whole."""
@@ -370,32 +505,6 @@ def save_final_model(model, tokenizer, args: Args):
             os.rmdir(tmp)
     except Exception as e:
         write_failed(tmp, e, args.output_dir)
-
-
-def on_stop_signal(stop: list | None):
-    """SIGINT/SIGTERM. During set-up (`stop` None): exit 0 at once, there is nothing to save yet. During
-    training: the signal's name goes into `stop`, the step finishes, a checkpoint is saved and the run exits 0;
-    a second signal stops at once."""
-
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
-        if stop is None:
-            print(f"stopped by {name} during set-up; nothing to save")
-            sys.exit(0)
-        stop.append(name)
-        signal.signal(signum, signal.SIG_DFL)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
-
-
-def check_args(args: Args):
-    """Invalid flag values stop the run at once, before any model is loaded."""
-    check_ranges(args, ["steps", "batch_size", "grad_accum_steps", "lr", "warmup_steps", "max_grad_norm", "max_length", "eval_every",
-                        "eval_size", "max_new_tokens", "hidden_size", "num_layers", "num_heads", "keep_checkpoints"],
-                 ["weight_decay", "seed", "save_every"])
-    if args.hidden_size % args.num_heads:
-        fail(f"--hidden-size ({args.hidden_size}) must be divisible by --num-heads ({args.num_heads})")
 
 
 def checkpoints(output_dir: str) -> list[str]:
@@ -504,144 +613,91 @@ def open_metrics(run_name: str, resumed_step: int | None):
     return open(path, "a")
 
 
-def main(args: Args):
-    on_stop_signal(None)  # a signal during set-up exits at once: nothing to save yet
-    check_args(args)
-    probe_writable(args.output_dir)
-    t_start = time.time()  # every metrics row carries the wall time since here
-    checkpoint, state = load_checkpoint(args)
-    run_name = state["run_name"] if state else args.run_name or f"sft__{args.seed}__{int(time.time())}"
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    rank, world, device = init_distributed()
-    if rank:  # only the first process prints, logs and saves
-        sys.stdout = open(os.devnull, "w")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+def on_stop_signal(stop: list | None):
+    """SIGINT/SIGTERM. During set-up (`stop` None): exit 0 at once, there is nothing to save yet. During
+    training: the signal's name goes into `stop`, the step finishes, a checkpoint is saved and the run exits 0;
+    a second signal stops at once."""
 
-    if args.model is None and checkpoint is None:
-        tokenizer = common.build_char_tokenizer()
-        model = tiny_model(tokenizer, args)
-    else:
-        path = checkpoint or args.model
-        try:
-            tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
-            model = load_model(path, args.trust_remote_code)
-        except Exception as e:
-            fail(load_failure(path, e))
-        if tokenizer.pad_token is None:  # masks come from lengths, so padding with EOS is safe
-            tokenizer.pad_token = tokenizer.eos_token
-            print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
-    model.to(device).train()
-    print(f"model: {args.model or 'tiny Qwen2'} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters) on {device} × {world}, {'bf16 autocast' if args.bf16 else 'fp32'}")
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    trained = wrap(model, args, device)  # the training forward goes through the DDP/FSDP2 wrapper
-
-    train_rows = common.load_rows(args.dataset, "train", "sft", tokenizer, args.dataset_config)
-    eval_rows = common.load_rows(args.dataset, "test", "sft", tokenizer, args.dataset_config)[: args.eval_size]
-    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
-    eos_ids = common.eos_token_ids(tokenizer, model.generation_config)  # completions end at the first of any
-    completions = common.tokenize(tokenizer, [r["completion"] for r in train_rows], add_eos=True, max_length=args.max_length, eos_ids=eos_ids)
-    print(f"data: {len(train_rows)} train rows, {len(eval_rows)} held-out rows from {args.dataset}")
-    step_rows = args.batch_size * args.grad_accum_steps * world
-    if len(train_rows) < step_rows:
-        fail(f"{len(train_rows)} training rows are fewer than one step's {step_rows} (batch size × accumulation steps × processes)")
-
-    # fused: the whole update in one kernel, without foreach's parameter-sized temporaries (transformers' default too)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
-        (s + 1) / args.warmup_steps, max(0.0, (args.steps - s) / max(1, args.steps - args.warmup_steps)) if args.lr_decay else 1.0))
-    if state:
-        if len(state["rng"]) != world:
-            fail(f"{checkpoint} was written by {len(state['rng'])} processes; resume it with as many")
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-        schedule.load_state_dict(state["schedule"])
-        print(f"resuming from {checkpoint} (step {state['step']})")
-
-    metrics_file = open_metrics(run_name, state["step"] if state else None) if rank == 0 else None
-    if args.track and rank == 0:
-        import wandb
-
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args),
-                   id=state.get("wandb_id") if state else None, resume="allow")
-
-    def log(metrics: dict, step: int, samples=None):
-        if rank:
-            return
-        metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - t_start, 3)}) + "\n")
-        metrics_file.flush()
-        if args.track:
-            table = {"samples": wandb.Table(columns=["prompt", "completion", "answer"], data=samples)} if samples else {}
-            wandb.log({**metrics, **table}, step=step)
-
-    def run_eval(step: int):
-        metrics, samples = evaluate(model, tokenizer, eos_ids, eval_rows, args, device, autocast)
-        log(metrics, step, samples)
-        for prompt, text, answer in samples[:3]:
-            tqdm.write(f"  {prompt!r} → {text!r} (answer {answer})")
-        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        return metrics
-
-    start = state["start"] if state else run_eval(0)
-    end, last_checkpoint, skipped = start, checkpoint, state["skipped"] if state else 0
-    first_step = state["step"] + 1 if state else 1
-    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)  # the same order in every process
-    for _ in range(first_step - 1):  # the data position: batches already drawn
-        next(batches)
-    if state:
-        restore_rng(state["rng"][rank])
-    stop = []  # from here on a signal finishes the step, saves a checkpoint and exits 0
-    on_stop_signal(stop)
-    progress = tqdm(range(first_step, args.steps + 1), desc="sft", dynamic_ncols=True, disable=rank > 0 or None)
-    for step in progress:
-        idx = next(batches)
-        num_tokens = sum(len(completions[i]) for i in idx)  # the whole step's, over micro-batches and processes
-        loss = 0.0
-        for k in range(args.grad_accum_steps):
-            mine = idx[(k * world + rank) * args.batch_size :][: args.batch_size]  # this process's share
-            batch = {key: v.to(device) for key, v in common.collate([prompts[i] for i in mine], [completions[i] for i in mine], tokenizer.pad_token_id).items()}
-            # DDP averages gradients over processes: scaling by `world` turns that into the step's token sum
-            with trained.no_sync() if isinstance(trained, DDP) and k < args.grad_accum_steps - 1 else contextlib.nullcontext():
-                with autocast:
-                    logps = forward_logps(trained, batch)
-                micro_loss = sft_loss(logps, batch["completion_mask"], num_tokens / world)
-                micro_loss.backward()
-            loss += micro_loss.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
-        loss, stopping = mean_over_processes({"loss": loss, "stop": float(bool(stop))}, device).values()
-        if math.isfinite(loss) and torch.isfinite(grad_norm):
-            optimizer.step()
-        elif args.skip_nonfinite:
-            skipped += 1
-        else:
-            sys.exit(f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
-                     f"last good checkpoint: {last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-        progress.set_postfix(loss=f"{loss:.4f}")
-        if step % 10 == 0:
-            log({"train/loss": loss, "train/grad_norm": grad_norm.item(), "train/lr": schedule.get_last_lr()[0], "train/skipped_steps": skipped}, step)
-        if step % args.eval_every == 0 or step == args.steps:
-            end = run_eval(step)
-        if (args.save_every and step % args.save_every == 0) or stopping:  # a signal to any process stops all
-            last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, {
-                "schedule": schedule.state_dict(), "run_name": run_name, "start": start, "skipped": skipped,
-                "wandb_id": wandb.run.id if args.track and rank == 0 else None,
-            })
-        if stopping:
-            print(f"stopped by {(stop or ['a signal to another process'])[0]} after step {step}; saved {last_checkpoint}; continue with --resume latest")
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if stop is None:
+            print(f"stopped by {name} during set-up; nothing to save")
             sys.exit(0)
+        stop.append(name)
+        signal.signal(signum, signal.SIG_DFL)
 
-    save_final_model(model, tokenizer, args)
-    print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
-    if rank == 0:
-        metrics_file.close()
-    if args.track and rank == 0:
-        wandb.finish()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def check_args(args: Args):
+    """Invalid flag values stop the run at once, before any model is loaded."""
+    check_ranges(args, ["steps", "batch_size", "grad_accum_steps", "lr", "warmup_steps", "max_grad_norm", "max_length", "eval_every",
+                        "eval_size", "max_new_tokens", "hidden_size", "num_layers", "num_heads", "keep_checkpoints"],
+                 ["weight_decay", "seed", "save_every"])
+    if args.hidden_size % args.num_heads:
+        fail(f"--hidden-size ({args.hidden_size}) must be divisible by --num-heads ({args.num_heads})")
+
+
+def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
+    """Each named flag must be a finite number > 0 (positive) or ≥ 0 (non_negative); else one error line."""
+    for names, bound in ((positive, "positive"), (non_negative, "0 or positive")):
+        for name in names:
+            value = getattr(args, name)
+            if not math.isfinite(value) or value < 0 or (value == 0 and bound == "positive"):
+                fail(f"--{name.replace('_', '-')} must be {bound} (got {value})")
+
+
+def fail(message: str):
+    """A user error: one line on stderr, exit code 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def probe_writable(directory: str):
+    """Creates `directory` and writes and removes a small file in it, so that an unwritable --output-dir
+    stops the run before any work instead of at the first save."""
+    if os.path.isfile(directory):
+        fail(f"cannot write to {directory}: it is a file, not a directory")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        fail(f"cannot write to {directory}: {e.strerror or e}")
+
+
+def load_failure(path: str, e: Exception) -> str:
+    """One sentence on why a model, tokenizer or checkpoint at `path` cannot be loaded, naming the file at fault."""
+    if not os.path.exists(path):
+        if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a hub id is `owner/name`
+            return f"cannot load model {path!r}: no such file or directory"
+        return f"cannot load model {path!r} from the hub: {common.error_reason(e)}"
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        return f"cannot load model {path!r}: it is not a model directory (no config.json)"
+    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+        file = os.path.join(path, name)
+        try:  # which file is cut short or corrupt?
+            if name.endswith(".safetensors"):
+                with safe_open(file, "pt"):
+                    pass
+            elif name.endswith(".json"):
+                with open(file) as f:
+                    json.load(f)
+        except Exception as bad:
+            return f"cannot load model {path!r}: {file} is corrupt or cut short ({common.error_reason(bad)})"
+    return f"cannot load model {path!r}: {common.error_reason(e)}"
+
+
+def write_failed(path: str, e: Exception, output_dir: str):
+    """A write that failed (disk full, permissions): its partial directory is removed and the run stops with
+    one line naming the last complete checkpoint; files written before are untouched."""
+    shutil.rmtree(path, ignore_errors=True)
+    last = (checkpoints(output_dir) or ["none"])[-1]
+    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
+             f"last complete checkpoint: {last}")
 
 
 if __name__ == "__main__":

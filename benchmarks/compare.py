@@ -147,7 +147,7 @@ def pipeline(seed: int, base: dict, args: Args) -> dict:
         evals = [row for row in rows if "eval/accuracy" in row]
         r["curve"] = [(row["time/elapsed_s"], row["eval/accuracy"]) for row in evals]
         r["before"], r["after"] = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
-        r["generation_share"] = sum(row.get("time/generation_s", 0.0) for row in rows) / r["wall_s"]
+        r["generation_share"] = sum(row.get("train/generation_s", 0.0) for row in rows) / r["wall_s"]
         r["kl"] = kl_to_reference(cwd / "models" / method, cwd / "models" / "sft")
         r["trainable"] = trainable_parameters(method, cwd)
         del r["rows"]

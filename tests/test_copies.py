@@ -15,6 +15,16 @@ COPIES = {
     "generate": ["grpo", "ppo"],
     "load_model": ["grpo", "ppo"],
     "load_reward_model": ["grpo", "ppo"],
+    "start_run": ALL,  # the infrastructure section: every script's
+    "begin_training": ALL,
+    "process_share": ALL,
+    "log": ALL,
+    "optimizer_step": ALL,
+    "maybe_checkpoint": ALL,
+    "finish_run": ALL,
+    "save_checkpoint": ["sft", "reward_model", "dpo", "grpo"],  # ppo's also writes the critic
+    "wrap": ["sft", "dpo", "grpo", "ppo"],
+    "average_gradients": ["reward_model", "ppo"],
     "init_distributed": ALL,
     "mean_over_processes": ALL,
     "save_model": ALL,

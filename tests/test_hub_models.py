@@ -259,7 +259,7 @@ def test_ppo_with_a_reward_model_of_another_tokenizer(chat_model, char_reward_mo
                      "--eval-every", "2", "--eval-size", "8", "--kl-coef", "0.05", "--save-every", "2", "--run-name", "p", cwd=tmp_path).stdout
     assert "has its own tokenizer" in out and "critic starts from the policy" in out
     metrics = read_metrics(tmp_path, "p")
-    assert all(torch.isfinite(torch.tensor(m["objective/scores"])) for m in metrics if "objective/scores" in m)
+    assert all(torch.isfinite(torch.tensor(m["train/score"])) for m in metrics if "train/score" in m)
     critic = AutoModelForSequenceClassification.from_pretrained(tmp_path / "models" / "ppo" / "checkpoint-2" / "critic")
     assert critic.config.vocab_size == common.load_tokenizer(chat_model).vocab_size  # the critic reads the policy's tokens
     assert_reloads_with_own_generation_config(tmp_path / "models" / "ppo")

@@ -101,14 +101,14 @@ def test_dpo_end_to_end_raises_greedy_accuracy(sft_run, tmp_path):
     evals = [m for m in metrics if "eval/accuracy" in m]
     assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.05, evals
     assert evals[-1]["eval/rewards/accuracies"] >= 0.55, evals
-    assert any(m.get("time/generation_s", 0) > 0 for m in metrics)
-    train = [m for m in metrics if "rewards/margins" in m]
+    assert any(m.get("train/generation_s", 0) > 0 for m in metrics)
+    train = [m for m in metrics if "train/rewards/margins" in m]
     # policy = reference at the start; in bf16 the reference's weights are rounded to bf16 (norms included)
     # while autocast keeps the policy's fp32 ones where it runs in fp32, so the two differ a little
     bf16 = bool(os.environ.get("TEST_SCRIPTS_BF16"))
     assert train[0]["train/loss"] == pytest.approx(math.log(2), abs=0.05 if bf16 else 1e-5)
-    assert sum(m["rewards/margins"] for m in train[-10:]) > 0
-    for key in ["train/loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"]:
+    assert sum(m["train/rewards/margins"] for m in train[-10:]) > 0
+    for key in ["train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins", "train/rewards/accuracies", "train/logps/chosen", "train/logps/rejected"]:
         assert key in train[0], key
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "dpo") is not None
     # RPO (--rpo-alpha): the chosen answers' NLL is added, so their log-probs end higher than with DPO alone
@@ -117,8 +117,8 @@ def test_dpo_end_to_end_raises_greedy_accuracy(sft_run, tmp_path):
     for alpha in ["0", "1.0"]:
         run_script("dpo.py", "--model", str(model_dir), "--sample-pairs", "0", "--steps", "30", "--lr", "1e-4", "--eval-every", "1000",
                    "--eval-size", "16", "--rpo-alpha", alpha, "--run-name", f"rpo{alpha}", "--output-dir", f"models/rpo{alpha}", cwd=tmp_path)
-        rows = [m for m in read_metrics(tmp_path, f"rpo{alpha}") if "logps/chosen" in m]
-        chosen[alpha] = sum(m["logps/chosen"] for m in rows[-10:]) / 10
+        rows = [m for m in read_metrics(tmp_path, f"rpo{alpha}") if "train/logps/chosen" in m]
+        chosen[alpha] = sum(m["train/logps/chosen"] for m in rows[-10:]) / 10
         if alpha == "1.0":
             assert rows[0]["train/loss"] > math.log(2) + 0.01  # log 2 plus the NLL at the start
     assert chosen["1.0"] > chosen["0"] + 0.02, chosen
