@@ -104,7 +104,14 @@ def arithmetic_rows(split: str, kind: str) -> list[dict]:
         elif kind == "prompt":
             rows.append({"prompt": prompt, "answer": answer})
         else:
-            rows.append({"prompt": prompt, "chosen": answer, "rejected": little_endian(wrong_sum(a, b, rng), 4), "answer": answer})
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "chosen": answer,
+                    "rejected": little_endian(wrong_sum(a, b, rng), 4),
+                    "answer": answer,
+                }
+            )
     return rows
 
 
@@ -179,7 +186,7 @@ def render_chat(tokenizer, messages, add_generation_prompt: bool) -> str:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     # The template writes BOS itself; drop it so that tokenizer(prompt) adds it exactly once, as for plain text.
     bos = tokenizer.bos_token
-    return text[len(bos):] if bos and text.startswith(bos) else text
+    return text[len(bos) :] if bos and text.startswith(bos) else text
 
 
 def _split_chat(tokenizer, prompt_messages, completion_messages) -> tuple[str, str]:
@@ -188,7 +195,7 @@ def _split_chat(tokenizer, prompt_messages, completion_messages) -> tuple[str, s
     full = render_chat(tokenizer, prompt_messages + completion_messages, add_generation_prompt=False)
     if not full.startswith(prompt):
         raise DataError("the chat template renders the prompt differently inside the conversation")
-    return prompt, full[len(prompt):]
+    return prompt, full[len(prompt) :]
 
 
 def _common_prefix(a, b):
@@ -260,10 +267,14 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
 
         def text(name):  # every row is checked here, before any training: a null cell is named, not met mid-run
             value = row[name]
-            if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(m, dict) for m in value)):
+            if isinstance(value, str) or (
+                isinstance(value, list) and value and all(isinstance(m, dict) for m in value)
+            ):
                 return value
             what = "empty (null)" if value is None else f"a {type(value).__name__} ({value!r:.40})"
-            raise DataError(f"dataset '{dataset}', row {number} ({split} split): column '{name}' is {what}, not text or messages")
+            raise DataError(
+                f"dataset '{dataset}', row {number} ({split} split): column '{name}' is {what}, not text or messages"
+            )
 
         if kind == "sft":
             answer = None
@@ -284,7 +295,11 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
         elif kind == "prompt":
             if "question" in columns and "answer" in columns and "prompt" not in columns:
                 question = text("question")  # GSM8K
-                prompt = [{"role": "user", "content": question}] if getattr(tokenizer, "chat_template", None) else question + "\n"
+                prompt = (
+                    [{"role": "user", "content": question}]
+                    if getattr(tokenizer, "chat_template", None)
+                    else question + "\n"
+                )
                 answer = extract_gsm8k_answer(text("answer"))
             elif "messages" in columns and "prompt" not in columns:
                 msgs = text("messages")
@@ -303,14 +318,16 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
                 prompt = text("prompt")
             else:  # implicit prompt: what chosen and rejected share (characters, or whole messages)
                 prompt = _common_prefix(chosen, rejected)
-                chosen, rejected = chosen[len(prompt):], rejected[len(prompt):]
+                chosen, rejected = chosen[len(prompt) :], rejected[len(prompt) :]
             if is_conversational(chosen):
                 rejected = _split_chat(tokenizer, prompt, rejected)[1]
                 prompt, chosen = _split_chat(tokenizer, prompt, chosen)
             pref = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
             if "margin" in columns:
                 if not isinstance(row["margin"], (int, float)) or isinstance(row["margin"], bool):
-                    raise DataError(f"dataset '{dataset}', row {number} ({split} split): column 'margin' is {row['margin']!r}, not a number")
+                    raise DataError(
+                        f"dataset '{dataset}', row {number} ({split} split): column 'margin' is {row['margin']!r}, not a number"
+                    )
                 pref["margin"] = float(row["margin"])
             out.append(pref)
     return out
@@ -329,18 +346,25 @@ def same_tokenizer(a, b) -> bool:
     """True when two tokenizers give the same ids for the same text and conversation (vocabulary, special
     tokens, chat template): then a reward model can read the policy's token ids as they are."""
     return a is b or (
-        a.get_vocab() == b.get_vocab() and (a.bos_token_id, a.eos_token_id) == (b.bos_token_id, b.eos_token_id)
+        a.get_vocab() == b.get_vocab()
+        and (a.bos_token_id, a.eos_token_id) == (b.bos_token_id, b.eos_token_id)
         and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
     )
 
 
-def tokenize(tokenizer, texts: list[str], add_eos: bool = False, max_length: int | None = None, left_truncate=False,
-             eos_ids: list[int] | None = None):
+def tokenize(
+    tokenizer,
+    texts: list[str],
+    add_eos: bool = False,
+    max_length: int | None = None,
+    left_truncate=False,
+    eos_ids: list[int] | None = None,
+):
     """Token ids of each text. Prompts keep the tokenizer's own special tokens (e.g. BOS); completions
     (`add_eos=True`) get none and end at their first EOS (any of `eos_ids`, default the tokenizer's), as
     sampling would; one without an EOS gets the tokenizer's. A chat template's `<|im_end|>\n` thus ends at
     `<|im_end|>`."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer itself: ~3× faster on long lists
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer itself: faster on long lists
     if backend is not None:
         ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=not add_eos)]
     else:
@@ -354,12 +378,21 @@ def tokenize(tokenizer, texts: list[str], add_eos: bool = False, max_length: int
     if max_length is not None and left_truncate:  # prompts: too long for every row is a setting error
         too_long = sum(len(x) > max_length for x in ids)
         if ids and too_long == len(ids):
-            raise DataError(f"every prompt is longer than the limit of {max_length} tokens (shortest: {min(map(len, ids))}); raise the prompt length limit")
+            raise DataError(
+                f"every prompt is longer than the limit of {max_length} tokens (shortest: {min(map(len, ids))}); raise the prompt length limit"
+            )
         if too_long:
-            print(f"warning: {too_long} of {len(ids)} prompts are longer than {max_length} tokens and are left-truncated")
+            print(
+                f"warning: {too_long} of {len(ids)} prompts are longer than {max_length} tokens and are left-truncated"
+            )
     if max_length is not None:
         ids = [x[-max_length:] if left_truncate else x[:max_length] for x in ids]
     return ids
+
+
+def tokenize_prompts(tokenizer, rows: list[dict], max_length: int) -> list[list[int]]:
+    """Each row's prompt as token ids, truncated from the left: the end of a prompt is what gets answered."""
+    return tokenize(tokenizer, [r["prompt"] for r in rows], max_length=max_length, left_truncate=True)
 
 
 def retokenize(tokenizer, rows: list[dict], completions: list[str], ended: list[bool], max_prompt_length: int):
@@ -387,9 +420,15 @@ def pad(seqs: list[list[int]], pad_id: int, side: str) -> tuple[torch.Tensor, to
     width = max(len(s) for s in seqs)
     fill = [width - len(s) for s in seqs]  # lists, then one tensor each: far fewer torch calls than row by row
     if side == "left":
-        ids, mask = [[pad_id] * f + list(s) for f, s in zip(fill, seqs)], [[0] * f + [1] * len(s) for f, s in zip(fill, seqs)]
+        ids, mask = (
+            [[pad_id] * f + list(s) for f, s in zip(fill, seqs)],
+            [[0] * f + [1] * len(s) for f, s in zip(fill, seqs)],
+        )
     else:
-        ids, mask = [list(s) + [pad_id] * f for f, s in zip(fill, seqs)], [[1] * len(s) + [0] * f for f, s in zip(fill, seqs)]
+        ids, mask = (
+            [list(s) + [pad_id] * f for f, s in zip(fill, seqs)],
+            [[1] * len(s) + [0] * f for f, s in zip(fill, seqs)],
+        )
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
 
 

@@ -18,8 +18,8 @@ experiments; `--sample-pairs 0` trains on the task's fixed pairs (a correct answ
     python dpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized --lr 5e-7 --batch-size 32
 """
 
-import copy
 import contextlib
+import copy
 import json
 import math
 import os
@@ -39,7 +39,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 from safetensors import safe_open
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
@@ -109,7 +114,7 @@ class Args:
     fsdp: bool = False
     """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
     gradient_checkpointing: bool = False
-    """recompute activations during the backward pass: much less memory for long sequences, ~1/3 more compute"""
+    """recompute activations during the backward pass: much less memory for long sequences, one more forward pass of compute"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "align"
@@ -158,12 +163,22 @@ def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperat
     def chunk(h, y):
         return token_logprobs(head(h)[None], y[None], temperature)[0]
 
-    out = [checkpoint(chunk, h, y, use_reentrant=False)
-           for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))]
+    out = [
+        checkpoint(chunk, h, y, use_reentrant=False)
+        for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))
+    ]
     return torch.cat(out).view_as(tokens)
 
 
-def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type="sigmoid", label_smoothing=0.0):
+def dpo_loss(
+    policy_chosen_logps,
+    policy_rejected_logps,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    beta,
+    loss_type="sigmoid",
+    label_smoothing=0.0,
+):
     """Per-pair DPO/IPO loss from summed sequence log-probs [B].
 
     h = (log π_θ(y_w) − log π_ref(y_w)) − (log π_θ(y_l) − log π_ref(y_l));
@@ -188,15 +203,16 @@ def load_model(path: str, trust_remote_code: bool):
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(config, key, 0.0)  # engineering detail 1: no dropout in any model
-    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
+            setattr(config, key, 0.0)  # dropout off in every model: log-probs must be deterministic
+    return AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True
+    )
 
 
 def load_models(args: Args, run: SimpleNamespace):
     """The tokenizer, π_θ (from the checkpoint on resume) and π_ref: the starting policy (also on resume) or
     --ref-model, frozen, in eval mode, never with gradients; held in bf16 with --bf16."""
-    if args.model == "models/sft" and not os.path.isfile("models/sft/config.json"):  # (an interrupted sft.py leaves it empty)
-        fail("models/sft not found: run `python sft.py` first (or pass --model)")
+    check_stage_input(args.model, "models/sft", "sft.py", "--model")
     try:
         path = args.model
         tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
@@ -215,14 +231,28 @@ def sequence_logps(model, batch: dict) -> torch.Tensor:
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
     T = batch["completion_ids"].shape[1]
     # the body's last hidden states (logits for one position only), then the LM head a chunk at a time
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids, logits_to_keep=1, output_hidden_states=True)
-    return (lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], batch["completion_ids"]) * batch["completion_mask"]).sum(1)
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=position_ids,
+        logits_to_keep=1,
+        output_hidden_states=True,
+    )
+    return (
+        lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], batch["completion_ids"])
+        * batch["completion_mask"]
+    ).sum(1)
 
 
 def pair_batch(prompts, rows, tokenizer, max_length: int, device, eos_ids: list[int] | None = None) -> dict:
     """Chosen (first B rows) then rejected (last B rows), each ending with EOS: one concatenated forward."""
-    completions = common.tokenize(tokenizer, [r["chosen"] for r in rows] + [r["rejected"] for r in rows], add_eos=True, max_length=max_length,
-                                  eos_ids=eos_ids)
+    completions = common.tokenize(
+        tokenizer,
+        [r["chosen"] for r in rows] + [r["rejected"] for r in rows],
+        add_eos=True,
+        max_length=max_length,
+        eos_ids=eos_ids,
+    )
     return {k: v.to(device) for k, v in common.collate(prompts * 2, completions, tokenizer.pad_token_id).items()}
 
 
@@ -233,7 +263,9 @@ def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False
     generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
     call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
     own = model.generation_config
-    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
+    model.generation_config = GenerationConfig(
+        **settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {})
+    )
     try:
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
     finally:
@@ -241,17 +273,37 @@ def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False
 
 
 @torch.no_grad()
-def sample_pairs(model, tokenizer, prompts, rows, k: int, temperature: float, max_new_tokens: int, batch_size: int, device,
-                 show_progress: bool = True) -> list[dict]:
+def sample_pairs(
+    model,
+    tokenizer,
+    prompts,
+    rows,
+    k: int,
+    temperature: float,
+    max_new_tokens: int,
+    batch_size: int,
+    device,
+    show_progress: bool = True,
+) -> list[dict]:
     """Pairs from the model's own samples, labelled by the answer key: k completions per prompt; a prompt
     with a correct and a wrong one gives {prompt, chosen: the first correct, rejected: a wrong one at random}.
     (The DPO paper builds its controlled-experiment pairs the same way: samples of π_SFT, scored by a judge.)"""
     pairs = []
-    for i in tqdm(range(0, len(rows), batch_size), desc="sampling pairs", disable=not show_progress or None, leave=False):
+    for i in tqdm(
+        range(0, len(rows), batch_size), desc="sampling pairs", disable=not show_progress or None, leave=False
+    ):
         ids, mask = common.pad(prompts[i : i + batch_size], tokenizer.pad_token_id, "left")
-        out = generate_exactly(model, ids.to(device), mask.to(device), do_sample=True, temperature=temperature, num_return_sequences=k,
-                               max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                               eos_token_id=common.eos_token_ids(tokenizer, model.generation_config))
+        out = generate_exactly(
+            model,
+            ids.to(device),
+            mask.to(device),
+            do_sample=True,
+            temperature=temperature,
+            num_return_sequences=k,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=common.eos_token_ids(tokenizer, model.generation_config),
+        )
         texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
         for j, row in enumerate(rows[i : i + batch_size]):
             right = [t for t in texts[j * k : (j + 1) * k] if common.is_correct(t, row["answer"])]
@@ -265,9 +317,19 @@ def own_pairs(args: Args, run: SimpleNamespace, ref, tokenizer, rows: list[dict]
     """sample_pairs from π_ref over `rows`, each process a share, gathered: every process trains on the same pairs."""
     mine = rows[run.rank * len(rows) // run.world : (run.rank + 1) * len(rows) // run.world]
     with autocast:
-        prompt_ids = common.tokenize(tokenizer, [r["prompt"] for r in mine], max_length=args.max_length, left_truncate=True)
-        pairs = sample_pairs(ref, tokenizer, prompt_ids, mine, args.sample_pairs, args.sample_temperature, args.max_new_tokens,
-                             8 * args.batch_size, run.device, show_progress=run.rank == 0)
+        prompt_ids = common.tokenize_prompts(tokenizer, mine, args.max_length)
+        pairs = sample_pairs(
+            ref,
+            tokenizer,
+            prompt_ids,
+            mine,
+            args.sample_pairs,
+            args.sample_temperature,
+            args.max_new_tokens,
+            8 * args.batch_size,
+            run.device,
+            show_progress=run.rank == 0,
+        )
     shares = [pairs]
     if dist.is_initialized():
         shares = [None] * run.world
@@ -276,10 +338,10 @@ def own_pairs(args: Args, run: SimpleNamespace, ref, tokenizer, rows: list[dict]
 
 
 @torch.no_grad()
-def reference_logps(ref, prompt_ids, rows, tokenizer, eos_ids, args: Args, device, autocast) -> torch.Tensor:
-    """log π_ref(y_w | x) and log π_ref(y_l | x) of each pair, as a [B, 2] table (fp32)."""
+def reference_logps(ref, batch: dict, autocast) -> torch.Tensor:
+    """log π_ref(y_w | x) and log π_ref(y_l | x) of each pair of a pair_batch, as a [B, 2] table (fp32)."""
     with autocast:
-        return sequence_logps(ref, pair_batch(prompt_ids, rows, tokenizer, args.max_length, device, eos_ids)).float().view(2, -1).T
+        return sequence_logps(ref, batch).float().view(2, -1).T
 
 
 @torch.no_grad()
@@ -299,12 +361,20 @@ def evaluate(policy, tokenizer, eos_ids, rows, prompts, ref_logps, args: Args, d
             P, B = batch["prompt_ids"].shape[1], len(batch_rows)
             with autocast:
                 out = generate_exactly(
-                    policy, batch["prompt_ids"][:B], batch["prompt_mask"][:B], synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: lockstep
-                    do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids,
+                    policy,
+                    batch["prompt_ids"][:B],
+                    batch["prompt_mask"][:B],
+                    synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: lockstep
+                    do_sample=False,
+                    max_new_tokens=args.max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=eos_ids,
                 )
             texts = tokenizer.batch_decode(out[:, P:], skip_special_tokens=True)
             correct += [common.is_correct(t, r["answer"]) for t, r in zip(texts, batch_rows)]
-            samples += [{"prompt": r["prompt"], "completion": t, "answer": r["answer"]} for r, t in zip(batch_rows, texts)][: max(0, 5 - len(samples))]
+            samples += [
+                {"prompt": r["prompt"], "completion": t, "answer": r["answer"]} for r, t in zip(batch_rows, texts)
+            ][: max(0, 5 - len(samples))]
     policy.train()
     metrics = {"eval/rewards/accuracies": float(np.mean(wins))}
     if has_answers:
@@ -324,8 +394,10 @@ def main(args: Args):
     # 1. preference pairs (x, y_w, y_l): the dataset's, or on the built-in task π_ref's own right and wrong samples
     train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
-    eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_length, left_truncate=True)
-    print(f"policy {args.model} on {run.device} × {run.world}; {len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}")
+    eval_prompts = common.tokenize_prompts(tokenizer, eval_rows, args.max_length)
+    print(
+        f"policy {args.model} on {run.device} × {run.world}; {len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}"
+    )
     step_rows = args.batch_size * args.grad_accum_steps * run.world
     sampled, t_sample = bool(run.state and "pairs" in run.state), time.time()
     if sampled:  # resumed: the very pairs the run started with (the reference cache indexes them)
@@ -334,30 +406,48 @@ def main(args: Args):
         # On-policy pairs: the fixed pairs' slips are answers π_ref itself rarely gives, so pushing them
         # down barely moves its greedy answers; its own right and wrong samples do (see README).
         n_prompts = min(len(train_rows), 2 * args.steps * step_rows)  # most prompts give a pair
-        train_rows, sampled, t_sample = own_pairs(args, run, ref, tokenizer, train_rows[:n_prompts], autocast), True, time.time() - t_sample
-        print(f"sampled {args.sample_pairs} completions at T={args.sample_temperature} for each of {n_prompts} prompts from π_ref: "
-              f"{len(train_rows)} prompts had a right and a wrong one → training pairs ({t_sample:.0f} s)")
-    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
+        train_rows = own_pairs(args, run, ref, tokenizer, train_rows[:n_prompts], autocast)
+        sampled, t_sample = True, time.time() - t_sample
+        print(
+            f"sampled {args.sample_pairs} completions at T={args.sample_temperature} for each of {n_prompts} prompts from π_ref: "
+            f"{len(train_rows)} prompts had a right and a wrong one → training pairs ({t_sample:.0f} s)"
+        )
+    prompts = common.tokenize_prompts(tokenizer, train_rows, args.max_length)
     if len(train_rows) < step_rows:
-        fail(f"{len(train_rows)} training pairs are fewer than one step's {step_rows} (batch size × accumulation steps × processes)")
+        fail(
+            f"{len(train_rows)} training pairs are fewer than one step's {step_rows} (batch size × accumulation steps × processes)"
+        )
 
     # 2. reference log-probs: computed once per pair, the first time it is drawn, then reused every epoch
-    ref_cache = run.state["ref_cache"].to(run.device) if run.state else torch.full((len(train_rows), 2), float("nan"), device=run.device)
-    n = args.batch_size
-    eval_ref = torch.cat([reference_logps(ref, eval_prompts[i : i + n], eval_rows[i : i + n], tokenizer, eos_ids, args, run.device, autocast)
-                          for i in range(0, len(eval_rows), n)])
+    def pairs_at(prompt_ids: list, rows: list[dict], idx) -> dict:
+        return pair_batch(
+            [prompt_ids[i] for i in idx], [rows[i] for i in idx], tokenizer, args.max_length, run.device, eos_ids
+        )
+
+    n_train, n_eval, device = len(train_rows), len(eval_rows), run.device
+    ref_cache = (
+        run.state["ref_cache"].to(device) if run.state else torch.full((n_train, 2), float("nan"), device=device)
+    )
+    chunks = [range(i, min(i + args.batch_size, n_eval)) for i in range(0, n_eval, args.batch_size)]
+    eval_ref = torch.cat([reference_logps(ref, pairs_at(eval_prompts, eval_rows, c), autocast) for c in chunks])
 
     # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
-    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)  # the same order in every process
+    schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
+    # the same order in every process
+    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)
     first_step = begin_training(args, run, policy, optimizer, schedule, batches)
 
     def run_eval(step: int) -> dict:
-        metrics, samples = evaluate(policy, tokenizer, eos_ids, eval_rows, eval_prompts, eval_ref, args, run.device, autocast)
+        metrics, samples = evaluate(
+            policy, tokenizer, eos_ids, eval_rows, eval_prompts, eval_ref, args, device, autocast
+        )
         log(run, metrics, step, samples)
         tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics
+
+    def extra_state() -> dict:  # what DPO's checkpoints hold besides the usual: the reference cache, the pairs
+        return {"ref_cache": merged_over_processes(ref_cache).cpu(), **({"pairs": train_rows} if sampled else {})}
 
     if sampled and not run.state:
         log(run, {"train/generation_s": round(t_sample, 3)}, 0)
@@ -366,29 +456,34 @@ def main(args: Args):
     for step in progress:
         # 3. the DPO loss on a batch of pairs, gradients summed over micro-batches and processes
         idx = next(batches)
-        totals = {"loss": 0.0, "rewards/chosen": 0.0, "rewards/rejected": 0.0, "rewards/accuracies": 0.0, "logps/chosen": 0.0, "logps/rejected": 0.0}
+        totals = dict.fromkeys(["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies"], 0.0)
+        totals.update(dict.fromkeys(["logps/chosen", "logps/rejected"], 0.0))
         for k in range(args.grad_accum_steps):
             mine = process_share(idx, run, args.batch_size, micro_batch=k)
             missing = [i for i in mine if ref_cache[i, 0].isnan()]
             if missing:
-                ref_cache[missing] = reference_logps(ref, [prompts[i] for i in missing], [train_rows[i] for i in missing], tokenizer, eos_ids,
-                                                     args, run.device, autocast)
-            batch = pair_batch([prompts[i] for i in mine], [train_rows[i] for i in mine], tokenizer, args.max_length, run.device, eos_ids)
-            with trained.no_sync() if isinstance(trained, DDP) and k < args.grad_accum_steps - 1 else contextlib.nullcontext():
-                with autocast:  # chosen and rejected in one concatenated forward pass
-                    policy_chosen, policy_rejected = sequence_logps(trained, batch).chunk(2)
+                ref_cache[missing] = reference_logps(ref, pairs_at(prompts, train_rows, missing), autocast)
+            batch = pairs_at(prompts, train_rows, mine)
+            with gradient_sync(trained, last=k == args.grad_accum_steps - 1):
+                with autocast:  # log π_θ(y_w | x) and log π_θ(y_l | x): chosen and rejected in one forward pass
+                    logp_w, logp_l = sequence_logps(trained, batch).chunk(2)
+                ref_w, ref_l = ref_cache[mine].T
                 losses, chosen_rewards, rejected_rewards = dpo_loss(
-                    policy_chosen, policy_rejected, ref_cache[mine, 0], ref_cache[mine, 1], args.beta, args.loss_type, args.label_smoothing
+                    logp_w, logp_l, ref_w, ref_l, args.beta, args.loss_type, args.label_smoothing
                 )
                 if args.rpo_alpha:  # RPO: + α · (−log π_θ(y_w) / |y_w|), so the chosen answer's likelihood is kept up
-                    losses = losses - args.rpo_alpha * policy_chosen / batch["completion_mask"][: len(mine)].sum(1)
+                    losses = losses - args.rpo_alpha * logp_w / batch["completion_mask"][: len(mine)].sum(1)
                 # the step's mean over all its pairs; DDP averages over processes, hence × world
                 loss = losses.sum() / (len(idx) / run.world)
                 loss.backward()
             totals["loss"] += loss.item()
-            for key, value in [("rewards/chosen", chosen_rewards.mean()), ("rewards/rejected", rejected_rewards.mean()),
-                               ("rewards/accuracies", (chosen_rewards > rejected_rewards).float().mean()),
-                               ("logps/chosen", policy_chosen.mean()), ("logps/rejected", policy_rejected.mean())]:
+            for key, value in [
+                ("rewards/chosen", chosen_rewards.mean()),
+                ("rewards/rejected", rejected_rewards.mean()),
+                ("rewards/accuracies", (chosen_rewards > rejected_rewards).float().mean()),
+                ("logps/chosen", logp_w.mean()),
+                ("logps/rejected", logp_l.mean()),
+            ]:
                 totals[key] += value.item() / args.grad_accum_steps
         totals = mean_over_processes(totals, run.device)
         grad_norm = optimizer_step(args, run, step, [policy], optimizer, totals["loss"])
@@ -397,11 +492,11 @@ def main(args: Args):
         # 4. log, evaluate, checkpoint
         progress.set_postfix(loss=f"{totals['loss']:.4f}")
         totals["rewards/margins"] = totals["rewards/chosen"] - totals["rewards/rejected"]
-        log(run, {**{f"train/{k}": v for k, v in totals.items()}, "train/grad_norm": grad_norm, "train/skipped_steps": run.skipped}, step)
+        totals.update(grad_norm=grad_norm, skipped_steps=run.skipped)
+        log(run, {f"train/{k}": v for k, v in totals.items()}, step)
         if step % args.eval_every == 0 or step == args.steps:
             end = run_eval(step)
-        maybe_checkpoint(args, run, step, policy, tokenizer, optimizer, schedule, start,
-                         lambda: {"ref_cache": merged_over_processes(ref_cache).cpu(), **({"pairs": train_rows} if sampled else {})})
+        maybe_checkpoint(args, run, step, policy, tokenizer, optimizer, schedule, start, extra_state)
 
     finish_run(args, run, policy, tokenizer, start, end)
 
@@ -427,8 +522,20 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
     if rank:  # only the first process prints, logs and saves
         sys.stdout = open(os.devnull, "w")
     name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
-    return SimpleNamespace(rank=rank, world=world, device=device, checkpoint=checkpoint, state=state, name=name, t_start=t_start,
-                           skipped=state["skipped"] if state else 0, last_checkpoint=checkpoint, stop=[], metrics_file=None, wandb=None)
+    return SimpleNamespace(
+        rank=rank,
+        world=world,
+        device=device,
+        checkpoint=checkpoint,
+        state=state,
+        name=name,
+        t_start=t_start,
+        skipped=state["skipped"] if state else 0,
+        last_checkpoint=checkpoint,
+        stop=[],
+        metrics_file=None,
+        wandb=None,
+    )
 
 
 def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
@@ -438,7 +545,9 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
-        set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            model, optimizer, run.state["optimizer"], options=StateDictOptions(full_state_dict=True)
+        )
         schedule.load_state_dict(run.state["schedule"])
         for _ in range(run.state["step"]):
             next(batches)
@@ -449,8 +558,14 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     if args.track and run.rank == 0:
         import wandb
 
-        run.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run.name, config=asdict(args),
-                               id=run.state.get("wandb_id") if run.state else None, resume="allow")
+        run.wandb = wandb.init(
+            project=args.wandb_project,
+            entity=args.wandb_entity,
+            name=run.name,
+            config=asdict(args),
+            id=run.state.get("wandb_id") if run.state else None,
+            resume="allow",
+        )
     on_stop_signal(run.stop)
     return run.state["step"] + 1 if run.state else 1
 
@@ -460,16 +575,36 @@ def process_share(indices: list, run: SimpleNamespace, size: int, micro_batch: i
     return indices[(micro_batch * run.world + run.rank) * size :][:size]
 
 
+def gradient_sync(model, last: bool):
+    """DDP all-reduces gradients in every backward pass; over a step's micro-batches only the last needs it."""
+    return model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
+
+
+def lr_schedule(optimizer, warmup_steps: int, steps: int, decay: bool):
+    """Linear warm-up over warmup_steps, then constant or (decay) linearly down to 0 at the last step."""
+
+    def factor(s: int) -> float:
+        return min((s + 1) / warmup_steps, max(0.0, (steps - s) / max(1, steps - warmup_steps)) if decay else 1.0)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | None = None):
     """A row of runs/<name>/metrics.jsonl (first process only) and, with --track, of wandb (samples: a table)."""
     if run.rank:
         return
-    run.metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}) + "\n")
+    run.metrics_file.write(
+        json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}) + "\n"
+    )
     run.metrics_file.flush()
     if run.wandb:
         import wandb
 
-        table = {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])} if samples else {}
+        table = (
+            {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}
+            if samples
+            else {}
+        )
         run.wandb.log({**metrics, **table}, step=step)
 
 
@@ -484,37 +619,53 @@ def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, op
     elif args.skip_nonfinite:
         run.skipped += 1
     else:
-        sys.exit(f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
-                 f"last good checkpoint: {run.last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
+        sys.exit(
+            f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
+            f"last good checkpoint: {run.last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite"
+        )
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.item()
 
 
-def maybe_checkpoint(args: Args, run: SimpleNamespace, step: int, model, tokenizer, optimizer, schedule, start: dict, extra_state=dict):
+def maybe_checkpoint(
+    args: Args, run: SimpleNamespace, step: int, model, tokenizer, optimizer, schedule, start: dict, extra_state=dict
+):
     """A checkpoint every --save-every steps, and when any process got a stop signal: then the run exits 0.
     `extra_state()`: what else this script's checkpoints hold (called in every process, only when saving)."""
     stopping = mean_over_processes({"stop": float(bool(run.stop))}, run.device)["stop"] > 0  # a signal to one stops all
     if (args.save_every and step % args.save_every == 0) or stopping:
-        run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, {
-            "schedule": schedule.state_dict(), "run_name": run.name, "start": start, "skipped": run.skipped,
-            "wandb_id": run.wandb.id if run.wandb else None, **extra_state(),
-        })
+        run.last_checkpoint = save_checkpoint(
+            args,
+            step,
+            model,
+            tokenizer,
+            optimizer,
+            {
+                "schedule": schedule.state_dict(),
+                "run_name": run.name,
+                "start": start,
+                "skipped": run.skipped,
+                "wandb_id": run.wandb.id if run.wandb else None,
+                **extra_state(),
+            },
+        )
     if stopping:
-        print(f"stopped by {(run.stop or ['a signal to another process'])[0]} after step {step}; saved {run.last_checkpoint}; "
-              "continue with --resume latest")
+        print(
+            f"stopped by {(run.stop or ['a signal to another process'])[0]} after step {step}; saved {run.last_checkpoint}; "
+            "continue with --resume latest"
+        )
         sys.exit(0)
 
 
 def finish_run(args: Args, run: SimpleNamespace, model, tokenizer, start: dict, end: dict):
-    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs."""
+    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs.
+    (torchrun's process group is destroyed after main() returns: see the end of the script.)"""
     save_final_model(model, tokenizer, args)
     print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
     if run.metrics_file:
         run.metrics_file.close()
     if run.wandb:
         run.wandb.finish()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -587,7 +738,9 @@ def save_final_model(model, tokenizer, args: Args):
         save_model(model, tokenizer, tmp, args)
         if main_process:
             new = os.listdir(tmp)
-            for name in set(os.listdir(args.output_dir)) - set(new):  # the previous model's files that the new one lacks
+            for name in set(os.listdir(args.output_dir)) - set(
+                new
+            ):  # the previous model's files that the new one lacks
                 if os.path.isfile(os.path.join(args.output_dir, name)):
                     os.remove(os.path.join(args.output_dir, name))
             for name in new:
@@ -619,16 +772,29 @@ def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: d
         write_failed(path + ".tmp", e, args.output_dir)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE)  # by parameter name, unsharded
     np_rng = np.random.get_state()
-    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-           "python": random.getstate(), "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:])}
+    rng = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:]),
+    }
     rngs = [rng]
     if dist.is_initialized():
         rngs = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, rng)
     if main_process:
         try:
-            torch.save({**state, "optimizer": optimizer_state, "step": step, "args": asdict(args), "rng": rngs,
-                        "script": os.path.basename(__file__)}, os.path.join(path + ".tmp", "trainer_state.pt"))
+            torch.save(
+                {
+                    **state,
+                    "optimizer": optimizer_state,
+                    "step": step,
+                    "args": asdict(args),
+                    "rng": rngs,
+                    "script": os.path.basename(__file__),
+                },
+                os.path.join(path + ".tmp", "trainer_state.pt"),
+            )
             shutil.rmtree(path, ignore_errors=True)
             os.replace(path + ".tmp", path)
         except Exception as e:
@@ -641,8 +807,22 @@ def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: d
 
 
 # flags that only steer a run: they may change when it is resumed; every other flag defines the run
-CAN_CHANGE_ON_RESUME = {"steps", "resume", "output_dir", "save_every", "keep_checkpoints", "eval_every", "track", "wandb_project",
-                        "wandb_entity", "run_name", "skip_nonfinite", "gradient_checkpointing", "fsdp", "trust_remote_code"}
+CAN_CHANGE_ON_RESUME = {
+    "steps",
+    "resume",
+    "output_dir",
+    "save_every",
+    "keep_checkpoints",
+    "eval_every",
+    "track",
+    "wandb_project",
+    "wandb_entity",
+    "run_name",
+    "skip_nonfinite",
+    "gradient_checkpointing",
+    "fsdp",
+    "trust_remote_code",
+}
 
 
 def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
@@ -661,7 +841,9 @@ def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
     try:
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
     except Exception as e:
-        fail(f"--resume {path}: {os.path.join(path, 'trainer_state.pt')} is corrupt or cut short ({common.error_reason(e)})")
+        fail(
+            f"--resume {path}: {os.path.join(path, 'trainer_state.pt')} is corrupt or cut short ({common.error_reason(e)})"
+        )
     script = os.path.basename(__file__)
     written_by = state.get("script") or (script if set(state["args"]) == set(asdict(args)) else "another script")
     if written_by != script:
@@ -671,14 +853,22 @@ def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
         value, flag = getattr(args, name, saved), "--" + name.replace("_", "-")
         if value == saved:
             continue
-        if value == getattr(defaults, name) and not {flag, flag.replace("--", "--no-")} & typed:  # not given: the run's own value
+        if (
+            value == getattr(defaults, name) and not {flag, flag.replace("--", "--no-")} & typed
+        ):  # not given: the run's own value
             setattr(args, name, saved)
         elif name not in CAN_CHANGE_ON_RESUME:
-            fail(f"{flag} {value} differs from the {saved} that {path} was run with; resume with the same value, or start a new run")
+            fail(
+                f"{flag} {value} differs from the {saved} that {path} was run with; resume with the same value, or start a new run"
+            )
     if args.steps != state["args"]["steps"]:
-        print(f"note: --steps {args.steps}: the run (begun with --steps {state['args']['steps']}) goes on to step {args.steps}")
+        print(
+            f"note: --steps {args.steps}: the run (begun with --steps {state['args']['steps']}) goes on to step {args.steps}"
+        )
     if state["step"] >= args.steps:
-        print(f"{path} is at step {state['step']}: the run already reached --steps {args.steps}; nothing to do (its model is in {path})")
+        print(
+            f"{path} is at step {state['step']}: the run already reached --steps {args.steps}; nothing to do (its model is in {path})"
+        )
         sys.exit(0)
     return path, state
 
@@ -720,11 +910,35 @@ def on_stop_signal(stop: list | None):
         signal.signal(sig, handler)
 
 
+def check_stage_input(path: str, default: str, script: str, flag: str):
+    """A stage's default input (models/sft, models/reward) exists only once the stage before has run."""
+    if path == default and not os.path.isfile(
+        os.path.join(path, "config.json")
+    ):  # (an interrupted run leaves it empty)
+        fail(f"{path} not found: run `python {script}` first (or pass {flag})")
+
+
 def check_args(args: Args):
     """Invalid flag values stop the run at once, before any model is loaded."""
-    check_ranges(args, ["steps", "batch_size", "grad_accum_steps", "lr", "warmup_steps", "max_grad_norm", "beta", "sample_temperature",
-                        "max_length", "eval_every", "eval_size", "max_new_tokens", "keep_checkpoints"],
-                 ["rpo_alpha", "seed", "save_every"])
+    check_ranges(
+        args,
+        [
+            "steps",
+            "batch_size",
+            "grad_accum_steps",
+            "lr",
+            "warmup_steps",
+            "max_grad_norm",
+            "beta",
+            "sample_temperature",
+            "max_length",
+            "eval_every",
+            "eval_size",
+            "max_new_tokens",
+            "keep_checkpoints",
+        ],
+        ["rpo_alpha", "seed", "save_every"],
+    )
     if not 0 <= args.label_smoothing < 0.5:
         fail(f"--label-smoothing must be in [0, 0.5) (got {args.label_smoothing})")
     if args.sample_pairs == 1 or args.sample_pairs < 0:
@@ -788,8 +1002,10 @@ def write_failed(path: str, e: Exception, output_dir: str):
     one line naming the last complete checkpoint; files written before are untouched."""
     shutil.rmtree(path, ignore_errors=True)
     last = (checkpoints(output_dir) or ["none"])[-1]
-    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
-             f"last complete checkpoint: {last}")
+    sys.exit(
+        f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
+        f"last complete checkpoint: {last}"
+    )
 
 
 if __name__ == "__main__":
@@ -798,3 +1014,7 @@ if __name__ == "__main__":
         main(args)
     except common.DataError as e:
         fail(str(e))
+    # Only now, with main()'s DDP wrapper freed: had its reducer dropped the last reference to the process
+    # group, the group's threads would be joined while holding the GIL they may need (a hang at exit).
+    if dist.is_initialized():
+        dist.destroy_process_group()

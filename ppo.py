@@ -16,8 +16,8 @@ Schulman et al. 2017 (arXiv:1707.06347), GAE: Schulman et al. 2016 (arXiv:1506.0
         --kl-coef 0.05
 """
 
-import copy
 import contextlib
+import copy
 import json
 import math
 import os
@@ -35,7 +35,12 @@ import torch
 import torch.distributed as dist
 import tyro
 from safetensors import safe_open
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
@@ -113,7 +118,7 @@ class Args:
     fsdp: bool = False
     """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
     gradient_checkpointing: bool = False
-    """recompute activations during the backward pass: much less memory for long sequences, ~1/3 more compute"""
+    """recompute activations during the backward pass: much less memory for long sequences, one more forward pass of compute"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "align"
@@ -162,8 +167,10 @@ def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperat
     def chunk(h, y):
         return token_logprobs(head(h)[None], y[None], temperature)[0]
 
-    out = [checkpoint(chunk, h, y, use_reentrant=False)
-           for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))]
+    out = [
+        checkpoint(chunk, h, y, use_reentrant=False)
+        for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))
+    ]
     return torch.cat(out).view_as(tokens)
 
 
@@ -232,24 +239,36 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 # ---------------------------------------------------------------- the method's helpers
-def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs):
+def load_model(
+    path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs
+):
     """A model in fp32 (master weights) with every dropout probability in its config at 0."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(config, key, 0.0)  # engineering detail 1: no dropout in any model
-    return cls.from_pretrained(path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True,
-                               output_loading_info=output_loading_info)
+            setattr(config, key, 0.0)  # dropout off in every model: log-probs must be deterministic
+    return cls.from_pretrained(
+        path,
+        config=config,
+        dtype=torch.float32,
+        trust_remote_code=trust_remote_code,
+        use_safetensors=True,
+        output_loading_info=output_loading_info,
+    )
 
 
 def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
     """r_ϕ and the tokenizer it reads: None when it is the policy's (the policy's token ids go in as they
     are), else its own (completions are then decoded and re-tokenized). A model whose checkpoint has no
     score head (e.g. a causal LM) would score with a random one: refused."""
-    model, info = load_model(path, trust_remote_code, AutoModelForSequenceClassification, output_loading_info=True, num_labels=1)
+    model, info = load_model(
+        path, trust_remote_code, AutoModelForSequenceClassification, output_loading_info=True, num_labels=1
+    )
     if "score.weight" in info["missing_keys"]:
-        fail(f"{path} is not a reward model: its checkpoint has no score head (score.weight), so it would score with random "
-             "weights; pass a sequence-classification model, e.g. one trained by reward_model.py")
+        fail(
+            f"{path} is not a reward model: its checkpoint has no score head (score.weight), so it would score with random "
+            "weights; pass a sequence-classification model, e.g. one trained by reward_model.py"
+        )
     try:
         own = common.load_tokenizer(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
@@ -265,11 +284,8 @@ def load_models(args: Args, run: SimpleNamespace):
     """Four models: the policy π_θ and critic V_ψ train (from the checkpoint on resume); the reference π_ref
     (the starting policy) and the reward model r_ϕ are frozen, held in bf16 with --bf16. Also the tokenizer
     and r_ϕ's own (None when it reads the policy's tokens)."""
-    for name in ("model", "reward_model"):
-        path = getattr(args, name)
-        if path in ("models/sft", "models/reward") and not os.path.isfile(os.path.join(path, "config.json")):
-            script = "sft.py" if name == "model" else "reward_model.py"
-            fail(f"{path} not found: run `python {script}` first (or pass --{name.replace('_', '-')})")
+    check_stage_input(args.model, "models/sft", "sft.py", "--model")
+    check_stage_input(args.reward_model, "models/reward", "reward_model.py", "--reward-model")
     frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
     try:
         path = args.model
@@ -286,7 +302,9 @@ def load_models(args: Args, run: SimpleNamespace):
             critic = copy.deepcopy(reward_model)
         else:  # V_ψ reads the policy's tokens, which r_ϕ cannot: the policy's weights with a new value head
             critic = load_model(args.model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-            print("note: the critic starts from the policy with a new value head (the reward model reads another vocabulary)")
+            print(
+                "note: the critic starts from the policy with a new value head (the reward model reads another vocabulary)"
+            )
     except Exception as e:
         fail(load_failure(path, e))
     reward_model.to(run.device, frozen_dtype).requires_grad_(False).eval()
@@ -300,14 +318,22 @@ def position_ids(attention_mask):
 def forward_logps(model, input_ids, attention_mask, T: int, temperature: float) -> torch.Tensor:
     """log π(y_t) of the last T tokens [B,T] at the sampling temperature; the hidden state at t predicts t+1."""
     # the body's last hidden states (logits for one position only), then the LM head a chunk at a time
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), logits_to_keep=1, output_hidden_states=True)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids(attention_mask),
+        logits_to_keep=1,
+        output_hidden_states=True,
+    )
     return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], input_ids[:, -T:], temperature)
 
 
 def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
     """The scalar head of a sequence-classification model at every position [B, L]."""
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).last_hidden_state
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)
+    ).last_hidden_state
     return model.score(hidden).squeeze(-1).float()
 
 
@@ -329,7 +355,9 @@ def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False
     generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
     call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
     own = model.generation_config
-    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
+    model.generation_config = GenerationConfig(
+        **settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {})
+    )
     try:
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
     finally:
@@ -341,29 +369,43 @@ def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, a
     """Completions [B,T] from π_θ/T exactly (KV cache, left-padded prompts), their mask, and whether each
     ended with an EOS (any of eos_ids) rather than at the length limit."""
     out = generate_exactly(
-        model, prompt_ids, prompt_mask, synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
-        max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids.tolist(),
+        model,
+        prompt_ids,
+        prompt_mask,
+        synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
+        max_new_tokens=args.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_ids.tolist(),
         **(dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)),
     )
     completion_ids = out[:, prompt_ids.shape[1] :]
     mask = completion_mask(completion_ids, eos_ids)
-    ended = torch.isin(completion_ids, eos_ids).any(1)  # a row cut by the limit has no padding, so pad == EOS is harmless
+    ended = torch.isin(completion_ids, eos_ids).any(
+        1
+    )  # a row cut by the limit has no padding, so pad == EOS is harmless
     return completion_ids * mask + tokenizer.pad_token_id * (1 - mask), mask, ended
 
 
 @torch.no_grad()
-def reward_scores(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args: Args) -> torch.Tensor:
+def reward_scores(
+    reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args: Args
+) -> torch.Tensor:
     """r_ϕ(x, y) [B] at each row's last real token, minus reward_model.py's centring offset: of the policy's
     ids, or with rm_tokenizer (another vocabulary), of the decoded texts re-tokenized its way."""
     if rm_tokenizer is not None:
-        input_ids, attention_mask = (t.to(input_ids.device) for t in common.retokenize(rm_tokenizer, rows, texts, ended.tolist(), args.max_prompt_length))
+        input_ids, attention_mask = (
+            t.to(input_ids.device)
+            for t in common.retokenize(rm_tokenizer, rows, texts, ended.tolist(), args.max_prompt_length)
+        )
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)
     scores = head_outputs(reward_model, input_ids, attention_mask)[torch.arange(len(last)), last]
     return scores - getattr(reward_model.config, "reward_offset", 0.0)
 
 
 @torch.no_grad()
-def evaluate(policy, tokenizer, eos_ids, rows, prompts, reward_model, rm_tokenizer, args: Args, device, autocast) -> tuple[dict, list]:
+def evaluate(
+    policy, tokenizer, eos_ids, rows, prompts, reward_model, rm_tokenizer, args: Args, device, autocast
+) -> tuple[dict, list]:
     """Greedy completions on held-out prompts: accuracy when answers exist, and the mean score; a few samples."""
     policy.eval()
     scores, correct, samples = [], [], []
@@ -374,11 +416,22 @@ def evaluate(policy, tokenizer, eos_ids, rows, prompts, reward_model, rm_tokeniz
         with autocast:
             completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
             texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            s = reward_scores(reward_model, rm_tokenizer, torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1), batch_rows, texts, ended, args)
+            s = reward_scores(
+                reward_model,
+                rm_tokenizer,
+                torch.cat([ids, completion_ids], 1),
+                torch.cat([mask, cmask], 1),
+                batch_rows,
+                texts,
+                ended,
+                args,
+            )
         scores += s.tolist()
         if has_answers:
             correct += [common.is_correct(t, r["answer"]) for t, r in zip(texts, batch_rows)]
-        samples += [{"prompt": r["prompt"], "completion": t, "score": v} for r, t, v in zip(batch_rows, texts, s.tolist())][: max(0, 5 - len(samples))]
+        samples += [
+            {"prompt": r["prompt"], "completion": t, "score": v} for r, t, v in zip(batch_rows, texts, s.tolist())
+        ][: max(0, 5 - len(samples))]
     policy.train()
     metrics = {"eval/score": float(np.mean(scores))}
     if has_answers:
@@ -390,7 +443,8 @@ def main(args: Args):
     run = start_run(args, "ppo")  # flags checked, --resume found, seeds set, torchrun's processes joined
     autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
     tokenizer, policy, critic, ref, reward_model, rm_tokenizer = load_models(args, run)
-    eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=run.device)  # every id that ends a completion
+    # every id that ends a completion (chat models: several)
+    eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=run.device)
     if args.gradient_checkpointing:
         for model in (policy, critic):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -402,21 +456,28 @@ def main(args: Args):
 
     train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
-    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_prompt_length, left_truncate=True)
-    eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_prompt_length, left_truncate=True)
-    print(f"policy {args.model}, reward model {args.reward_model} on {run.device} × {run.world}; "
-          f"{len(train_rows)} train / {len(eval_rows)} held-out prompts")
+    prompts = common.tokenize_prompts(tokenizer, train_rows, args.max_prompt_length)
+    eval_prompts = common.tokenize_prompts(tokenizer, eval_rows, args.max_prompt_length)
+    print(
+        f"policy {args.model}, reward model {args.reward_model} on {run.device} × {run.world}; "
+        f"{len(train_rows)} train / {len(eval_rows)} held-out prompts"
+    )
     if len(train_rows) < args.prompts_per_step * run.world:
-        fail(f"{len(train_rows)} training prompts are fewer than one step's {args.prompts_per_step * run.world} (prompts per step × processes)")
+        fail(
+            f"{len(train_rows)} training prompts are fewer than one step's {args.prompts_per_step * run.world} (prompts per step × processes)"
+        )
 
     # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
     optimizer = torch.optim.AdamW(both.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps))
-    batches = common.shuffled_batches(len(train_rows), args.prompts_per_step * run.world, args.seed)  # the same order everywhere
+    schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
+    # the same order in every process
+    batches = common.shuffled_batches(len(train_rows), args.prompts_per_step * run.world, args.seed)
     first_step = begin_training(args, run, both, optimizer, schedule, batches)
 
     def run_eval(step: int) -> dict:
-        metrics, samples = evaluate(policy, tokenizer, eos_ids, eval_rows, eval_prompts, reward_model, rm_tokenizer, args, run.device, autocast)
+        metrics, samples = evaluate(
+            policy, tokenizer, eos_ids, eval_rows, eval_prompts, reward_model, rm_tokenizer, args, run.device, autocast
+        )
         log(run, metrics, step, samples)
         tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics
@@ -426,7 +487,8 @@ def main(args: Args):
     for step in progress:
         # 1. rollout: sample completions from π_θold, score them, and record everything PPO needs
         idx = process_share(next(batches), run, args.prompts_per_step)
-        prompt_ids, prompt_mask = (t.to(run.device) for t in common.pad([prompts[i] for i in idx], tokenizer.pad_token_id, "left"))
+        rows, batch_prompts = [train_rows[i] for i in idx], [prompts[i] for i in idx]
+        prompt_ids, prompt_mask = (t.to(run.device) for t in common.pad(batch_prompts, tokenizer.pad_token_id, "left"))
         t0 = time.time()
         policy.eval()
         with autocast:
@@ -440,7 +502,7 @@ def main(args: Args):
             ref_logps = forward_logps(ref, input_ids, attention_mask, T, args.temperature)
             old_values = critic_values(critic, input_ids, attention_mask, T)
             texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            scores = reward_scores(reward_model, rm_tokenizer, input_ids, attention_mask, [train_rows[i] for i in idx], texts, has_eos, args)
+            scores = reward_scores(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, has_eos, args)
         scores = scores - args.missing_eos_penalty * (~has_eos).float()
 
         # 2. per-token rewards with the KL penalty, GAE advantages Â (whitened over the batch) and returns
@@ -458,33 +520,48 @@ def main(args: Args):
                 micros = mb.chunk(args.grad_accum_steps)
                 for k, micro in enumerate(micros):
                     share = mask[micro].sum() / mask[mb].sum()  # both losses are token means over the minibatch
-                    with trained.no_sync() if isinstance(trained, DDP) and k < len(micros) - 1 else contextlib.nullcontext():
+                    with gradient_sync(trained, last=k == len(micros) - 1):
                         with autocast:
                             logps = forward_logps(trained, input_ids[micro], attention_mask[micro], T, args.temperature)
                             values = critic_values(critic, input_ids[micro], attention_mask[micro], T)
-                        pg_loss, pg_stats = ppo_policy_loss(logps, old_logps[micro], advantages[micro], mask[micro], args.clip_eps)
-                        vf_loss = ppo_value_loss(values, old_values[micro], returns[micro], mask[micro], args.clip_eps_value)
+                        pg_loss, pg_stats = ppo_policy_loss(
+                            logps, old_logps[micro], advantages[micro], mask[micro], args.clip_eps
+                        )
+                        vf_loss = ppo_value_loss(
+                            values, old_values[micro], returns[micro], mask[micro], args.clip_eps_value
+                        )
                         ((pg_loss + args.vf_coef * vf_loss) * share).backward()
                     loss += (pg_loss + args.vf_coef * vf_loss).item() * share.item()
                     vf_clipped = ((values - old_values[micro]).abs() > args.clip_eps_value).float()
-                    for key, value in [("policy_loss", pg_loss), ("value_loss", vf_loss), ("clip_fraction", pg_stats["clip_fraction"]),
-                                       ("approx_kl", pg_stats["approx_kl"]), ("value_clip_fraction", masked_mean(vf_clipped, mask[micro]))]:
+                    for key, value in [
+                        ("policy_loss", pg_loss),
+                        ("value_loss", vf_loss),
+                        ("clip_fraction", pg_stats["clip_fraction"]),
+                        ("approx_kl", pg_stats["approx_kl"]),
+                        ("value_clip_fraction", masked_mean(vf_clipped, mask[micro])),
+                    ]:
                         mb_stats[key] += share.item() * value.item()
                 average_gradients(critic, args)
-                optimizer_step(args, run, step, [policy, critic], optimizer, mean_over_processes({"loss": loss}, run.device)["loss"])
+                loss = mean_over_processes({"loss": loss}, run.device)["loss"]
+                optimizer_step(args, run, step, [policy, critic], optimizer, loss)
                 for key in stats:
                     stats[key].append(mb_stats[key])
         schedule.step()
 
         # 4. log, evaluate, checkpoint
         kl = ((old_logps - ref_logps) * mask).sum(1)  # per-sequence KL estimate to the reference
-        metrics = mean_over_processes({
-            "train/score": scores.mean().item(), "train/kl": kl.mean().item(), "train/rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
-            **{f"train/{key}": float(np.mean(values)) for key, values in stats.items()},
-            "train/explained_variance": explained_variance(old_values, returns, mask),
-            "train/frac_with_eos": has_eos.float().mean().item(), "train/completion_length": mask.sum(1).float().mean().item(),
-            "train/skipped_steps": run.skipped, "train/generation_s": gen_time,
-        }, run.device)
+        metrics = {key: float(np.mean(values)) for key, values in stats.items()}
+        metrics.update(
+            score=scores.mean().item(),
+            kl=kl.mean().item(),
+            rlhf_reward=(scores - args.kl_coef * kl).mean().item(),
+            explained_variance=explained_variance(old_values, returns, mask),
+            frac_with_eos=has_eos.float().mean().item(),
+            completion_length=mask.sum(1).float().mean().item(),
+            skipped_steps=run.skipped,
+            generation_s=gen_time,
+        )
+        metrics = mean_over_processes({f"train/{k}": v for k, v in metrics.items()}, run.device)
         log(run, metrics, step)
         progress.set_postfix(score=f"{metrics['train/score']:.3f}", kl=f"{metrics['train/kl']:.3f}")
         if step % args.eval_every == 0 or step == args.steps:
@@ -515,8 +592,20 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
     if rank:  # only the first process prints, logs and saves
         sys.stdout = open(os.devnull, "w")
     name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
-    return SimpleNamespace(rank=rank, world=world, device=device, checkpoint=checkpoint, state=state, name=name, t_start=t_start,
-                           skipped=state["skipped"] if state else 0, last_checkpoint=checkpoint, stop=[], metrics_file=None, wandb=None)
+    return SimpleNamespace(
+        rank=rank,
+        world=world,
+        device=device,
+        checkpoint=checkpoint,
+        state=state,
+        name=name,
+        t_start=t_start,
+        skipped=state["skipped"] if state else 0,
+        last_checkpoint=checkpoint,
+        stop=[],
+        metrics_file=None,
+        wandb=None,
+    )
 
 
 def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
@@ -526,7 +615,9 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
-        set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            model, optimizer, run.state["optimizer"], options=StateDictOptions(full_state_dict=True)
+        )
         schedule.load_state_dict(run.state["schedule"])
         for _ in range(run.state["step"]):
             next(batches)
@@ -537,8 +628,14 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     if args.track and run.rank == 0:
         import wandb
 
-        run.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run.name, config=asdict(args),
-                               id=run.state.get("wandb_id") if run.state else None, resume="allow")
+        run.wandb = wandb.init(
+            project=args.wandb_project,
+            entity=args.wandb_entity,
+            name=run.name,
+            config=asdict(args),
+            id=run.state.get("wandb_id") if run.state else None,
+            resume="allow",
+        )
     on_stop_signal(run.stop)
     return run.state["step"] + 1 if run.state else 1
 
@@ -548,16 +645,36 @@ def process_share(indices: list, run: SimpleNamespace, size: int, micro_batch: i
     return indices[(micro_batch * run.world + run.rank) * size :][:size]
 
 
+def gradient_sync(model, last: bool):
+    """DDP all-reduces gradients in every backward pass; over a step's micro-batches only the last needs it."""
+    return model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
+
+
+def lr_schedule(optimizer, warmup_steps: int, steps: int, decay: bool):
+    """Linear warm-up over warmup_steps, then constant or (decay) linearly down to 0 at the last step."""
+
+    def factor(s: int) -> float:
+        return min((s + 1) / warmup_steps, max(0.0, (steps - s) / max(1, steps - warmup_steps)) if decay else 1.0)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | None = None):
     """A row of runs/<name>/metrics.jsonl (first process only) and, with --track, of wandb (samples: a table)."""
     if run.rank:
         return
-    run.metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}) + "\n")
+    run.metrics_file.write(
+        json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}) + "\n"
+    )
     run.metrics_file.flush()
     if run.wandb:
         import wandb
 
-        table = {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])} if samples else {}
+        table = (
+            {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}
+            if samples
+            else {}
+        )
         run.wandb.log({**metrics, **table}, step=step)
 
 
@@ -572,37 +689,53 @@ def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, op
     elif args.skip_nonfinite:
         run.skipped += 1
     else:
-        sys.exit(f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
-                 f"last good checkpoint: {run.last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
+        sys.exit(
+            f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
+            f"last good checkpoint: {run.last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite"
+        )
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.item()
 
 
-def maybe_checkpoint(args: Args, run: SimpleNamespace, step: int, model, tokenizer, optimizer, schedule, start: dict, extra_state=dict):
+def maybe_checkpoint(
+    args: Args, run: SimpleNamespace, step: int, model, tokenizer, optimizer, schedule, start: dict, extra_state=dict
+):
     """A checkpoint every --save-every steps, and when any process got a stop signal: then the run exits 0.
     `extra_state()`: what else this script's checkpoints hold (called in every process, only when saving)."""
     stopping = mean_over_processes({"stop": float(bool(run.stop))}, run.device)["stop"] > 0  # a signal to one stops all
     if (args.save_every and step % args.save_every == 0) or stopping:
-        run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, {
-            "schedule": schedule.state_dict(), "run_name": run.name, "start": start, "skipped": run.skipped,
-            "wandb_id": run.wandb.id if run.wandb else None, **extra_state(),
-        })
+        run.last_checkpoint = save_checkpoint(
+            args,
+            step,
+            model,
+            tokenizer,
+            optimizer,
+            {
+                "schedule": schedule.state_dict(),
+                "run_name": run.name,
+                "start": start,
+                "skipped": run.skipped,
+                "wandb_id": run.wandb.id if run.wandb else None,
+                **extra_state(),
+            },
+        )
     if stopping:
-        print(f"stopped by {(run.stop or ['a signal to another process'])[0]} after step {step}; saved {run.last_checkpoint}; "
-              "continue with --resume latest")
+        print(
+            f"stopped by {(run.stop or ['a signal to another process'])[0]} after step {step}; saved {run.last_checkpoint}; "
+            "continue with --resume latest"
+        )
         sys.exit(0)
 
 
 def finish_run(args: Args, run: SimpleNamespace, model, tokenizer, start: dict, end: dict):
-    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs."""
+    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs.
+    (torchrun's process group is destroyed after main() returns: see the end of the script.)"""
     save_final_model(model, tokenizer, args)
     print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
     if run.metrics_file:
         run.metrics_file.close()
     if run.wandb:
         run.wandb.finish()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -689,7 +822,9 @@ def save_final_model(model, tokenizer, args: Args):
         save_model(model, tokenizer, tmp, args)
         if main_process:
             new = os.listdir(tmp)
-            for name in set(os.listdir(args.output_dir)) - set(new):  # the previous model's files that the new one lacks
+            for name in set(os.listdir(args.output_dir)) - set(
+                new
+            ):  # the previous model's files that the new one lacks
                 if os.path.isfile(os.path.join(args.output_dir, name)):
                     os.remove(os.path.join(args.output_dir, name))
             for name in new:
@@ -722,16 +857,29 @@ def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: d
         write_failed(path + ".tmp", e, args.output_dir)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE)  # by parameter name, unsharded
     np_rng = np.random.get_state()
-    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-           "python": random.getstate(), "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:])}
+    rng = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:]),
+    }
     rngs = [rng]
     if dist.is_initialized():
         rngs = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, rng)
     if main_process:
         try:
-            torch.save({**state, "optimizer": optimizer_state, "step": step, "args": asdict(args), "rng": rngs,
-                        "script": os.path.basename(__file__)}, os.path.join(path + ".tmp", "trainer_state.pt"))
+            torch.save(
+                {
+                    **state,
+                    "optimizer": optimizer_state,
+                    "step": step,
+                    "args": asdict(args),
+                    "rng": rngs,
+                    "script": os.path.basename(__file__),
+                },
+                os.path.join(path + ".tmp", "trainer_state.pt"),
+            )
             shutil.rmtree(path, ignore_errors=True)
             os.replace(path + ".tmp", path)
         except Exception as e:
@@ -744,8 +892,22 @@ def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: d
 
 
 # flags that only steer a run: they may change when it is resumed; every other flag defines the run
-CAN_CHANGE_ON_RESUME = {"steps", "resume", "output_dir", "save_every", "keep_checkpoints", "eval_every", "track", "wandb_project",
-                        "wandb_entity", "run_name", "skip_nonfinite", "gradient_checkpointing", "fsdp", "trust_remote_code"}
+CAN_CHANGE_ON_RESUME = {
+    "steps",
+    "resume",
+    "output_dir",
+    "save_every",
+    "keep_checkpoints",
+    "eval_every",
+    "track",
+    "wandb_project",
+    "wandb_entity",
+    "run_name",
+    "skip_nonfinite",
+    "gradient_checkpointing",
+    "fsdp",
+    "trust_remote_code",
+}
 
 
 def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
@@ -764,7 +926,9 @@ def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
     try:
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
     except Exception as e:
-        fail(f"--resume {path}: {os.path.join(path, 'trainer_state.pt')} is corrupt or cut short ({common.error_reason(e)})")
+        fail(
+            f"--resume {path}: {os.path.join(path, 'trainer_state.pt')} is corrupt or cut short ({common.error_reason(e)})"
+        )
     script = os.path.basename(__file__)
     written_by = state.get("script") or (script if set(state["args"]) == set(asdict(args)) else "another script")
     if written_by != script:
@@ -774,14 +938,22 @@ def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
         value, flag = getattr(args, name, saved), "--" + name.replace("_", "-")
         if value == saved:
             continue
-        if value == getattr(defaults, name) and not {flag, flag.replace("--", "--no-")} & typed:  # not given: the run's own value
+        if (
+            value == getattr(defaults, name) and not {flag, flag.replace("--", "--no-")} & typed
+        ):  # not given: the run's own value
             setattr(args, name, saved)
         elif name not in CAN_CHANGE_ON_RESUME:
-            fail(f"{flag} {value} differs from the {saved} that {path} was run with; resume with the same value, or start a new run")
+            fail(
+                f"{flag} {value} differs from the {saved} that {path} was run with; resume with the same value, or start a new run"
+            )
     if args.steps != state["args"]["steps"]:
-        print(f"note: --steps {args.steps}: the run (begun with --steps {state['args']['steps']}) goes on to step {args.steps}")
+        print(
+            f"note: --steps {args.steps}: the run (begun with --steps {state['args']['steps']}) goes on to step {args.steps}"
+        )
     if state["step"] >= args.steps:
-        print(f"{path} is at step {state['step']}: the run already reached --steps {args.steps}; nothing to do (its model is in {path})")
+        print(
+            f"{path} is at step {state['step']}: the run already reached --steps {args.steps}; nothing to do (its model is in {path})"
+        )
         sys.exit(0)
     return path, state
 
@@ -823,16 +995,44 @@ def on_stop_signal(stop: list | None):
         signal.signal(sig, handler)
 
 
+def check_stage_input(path: str, default: str, script: str, flag: str):
+    """A stage's default input (models/sft, models/reward) exists only once the stage before has run."""
+    if path == default and not os.path.isfile(
+        os.path.join(path, "config.json")
+    ):  # (an interrupted run leaves it empty)
+        fail(f"{path} not found: run `python {script}` first (or pass {flag})")
+
+
 def check_args(args: Args):
     """Invalid flag values stop the run at once, before any model is loaded."""
-    check_ranges(args, ["steps", "prompts_per_step", "num_ppo_epochs", "num_mini_batches", "grad_accum_steps", "lr", "warmup_steps",
-                        "max_grad_norm", "clip_eps", "clip_eps_value", "temperature", "max_new_tokens", "max_prompt_length", "eval_every",
-                        "eval_size", "keep_checkpoints"],
-                 ["vf_coef", "kl_coef", "missing_eos_penalty", "seed", "save_every"])
+    check_ranges(
+        args,
+        [
+            "steps",
+            "prompts_per_step",
+            "num_ppo_epochs",
+            "num_mini_batches",
+            "grad_accum_steps",
+            "lr",
+            "warmup_steps",
+            "max_grad_norm",
+            "clip_eps",
+            "clip_eps_value",
+            "temperature",
+            "max_new_tokens",
+            "max_prompt_length",
+            "eval_every",
+            "eval_size",
+            "keep_checkpoints",
+        ],
+        ["vf_coef", "kl_coef", "missing_eos_penalty", "seed", "save_every"],
+    )
     if args.prompts_per_step < args.num_mini_batches * args.grad_accum_steps:
         fail(f"--prompts-per-step ({args.prompts_per_step}) must be at least --num-mini-batches × --grad-accum-steps")
     if args.prompts_per_step % args.num_mini_batches:
-        fail(f"--prompts-per-step ({args.prompts_per_step}) must be divisible by --num-mini-batches ({args.num_mini_batches})")
+        fail(
+            f"--prompts-per-step ({args.prompts_per_step}) must be divisible by --num-mini-batches ({args.num_mini_batches})"
+        )
     if not 0 <= args.lam <= 1 or not 0 <= args.gamma <= 1:
         fail(f"--gamma and --lam must be in [0, 1] (got {args.gamma}, {args.lam})")
 
@@ -894,8 +1094,10 @@ def write_failed(path: str, e: Exception, output_dir: str):
     one line naming the last complete checkpoint; files written before are untouched."""
     shutil.rmtree(path, ignore_errors=True)
     last = (checkpoints(output_dir) or ["none"])[-1]
-    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
-             f"last complete checkpoint: {last}")
+    sys.exit(
+        f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
+        f"last complete checkpoint: {last}"
+    )
 
 
 if __name__ == "__main__":
@@ -904,3 +1106,7 @@ if __name__ == "__main__":
         main(args)
     except common.DataError as e:
         fail(str(e))
+    # Only now, with main()'s DDP wrapper freed: had its reducer dropped the last reference to the process
+    # group, the group's threads would be joined while holding the GIL they may need (a hang at exit).
+    if dist.is_initialized():
+        dist.destroy_process_group()

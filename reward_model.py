@@ -32,7 +32,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 from safetensors import safe_open
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
@@ -66,7 +71,7 @@ class Args:
     sample_temperature: float = 0.7
     """temperature of those samples (ppo.py samples at 0.7 too)"""
     sample_prompts: int = 60000
-    """training prompts sampled for those pairs (about 60% give a pair)"""
+    """training prompts sampled for those pairs (only prompts with a right and a wrong sample give a pair)"""
     # optimisation
     steps: int = 4500
     """optimiser steps"""
@@ -95,7 +100,7 @@ class Args:
     fsdp: bool = False
     """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
     gradient_checkpointing: bool = False
-    """recompute activations during the backward pass: much less memory for long sequences, ~1/3 more compute"""
+    """recompute activations during the backward pass: much less memory for long sequences, one more forward pass of compute"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "align"
@@ -115,7 +120,9 @@ class Args:
 
 
 # ---------------------------------------------------------------- the math
-def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, margin: torch.Tensor | None = None) -> torch.Tensor:
+def bradley_terry_loss(
+    chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, margin: torch.Tensor | None = None
+) -> torch.Tensor:
     """ℒ = −log σ(r_w − r_l − m) per pair [B] (logsigmoid: stable for large reward gaps)."""
     diff = chosen_rewards - rejected_rewards
     if margin is not None:
@@ -129,7 +136,7 @@ def load_reward_model(path: str, trust_remote_code: bool):
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, num_labels=1)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(config, key, 0.0)  # engineering detail 1: no dropout in any model
+            setattr(config, key, 0.0)  # dropout off in every model: log-probs must be deterministic
     return AutoModelForSequenceClassification.from_pretrained(
         path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True
     )
@@ -146,8 +153,13 @@ def reward_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) 
 
 def pair_batch(prompts, rows, tokenizer, max_length: int, device, eos_ids: list[int] | None = None) -> dict:
     """Chosen (first B rows) and rejected (last B rows) completions after their (tokenized) prompt, one batch."""
-    completions = common.tokenize(tokenizer, [r["chosen"] for r in rows] + [r["rejected"] for r in rows], add_eos=True, max_length=max_length,
-                                  eos_ids=eos_ids)
+    completions = common.tokenize(
+        tokenizer,
+        [r["chosen"] for r in rows] + [r["rejected"] for r in rows],
+        add_eos=True,
+        max_length=max_length,
+        eos_ids=eos_ids,
+    )
     return {k: v.to(device) for k, v in common.collate(prompts * 2, completions, tokenizer.pad_token_id).items()}
 
 
@@ -158,23 +170,45 @@ def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False
     generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
     call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
     own = model.generation_config
-    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
+    model.generation_config = GenerationConfig(
+        **settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {})
+    )
     try:
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
     finally:
         model.generation_config = own
 
 
-def sample_pairs(model, tokenizer, prompts, rows, k: int, temperature: float, max_new_tokens: int, batch_size: int, device,
-                 show_progress: bool = True) -> list[dict]:
+def sample_pairs(
+    model,
+    tokenizer,
+    prompts,
+    rows,
+    k: int,
+    temperature: float,
+    max_new_tokens: int,
+    batch_size: int,
+    device,
+    show_progress: bool = True,
+) -> list[dict]:
     """Pairs from a causal LM's own samples, labelled by the answer key: k completions per prompt; a prompt
     with a correct and a wrong one gives {prompt, chosen: the first correct, rejected: a wrong one at random}."""
     pairs = []
-    for i in tqdm(range(0, len(rows), batch_size), desc="sampling pairs", disable=not show_progress or None, leave=False):
+    for i in tqdm(
+        range(0, len(rows), batch_size), desc="sampling pairs", disable=not show_progress or None, leave=False
+    ):
         ids, mask = common.pad(prompts[i : i + batch_size], tokenizer.pad_token_id, "left")
-        out = generate_exactly(model, ids.to(device), mask.to(device), do_sample=True, temperature=temperature, num_return_sequences=k,
-                               max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                               eos_token_id=common.eos_token_ids(tokenizer, model.generation_config))
+        out = generate_exactly(
+            model,
+            ids.to(device),
+            mask.to(device),
+            do_sample=True,
+            temperature=temperature,
+            num_return_sequences=k,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=common.eos_token_ids(tokenizer, model.generation_config),
+        )
         texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
         for j, row in enumerate(rows[i : i + batch_size]):
             right = [t for t in texts[j * k : (j + 1) * k] if common.is_correct(t, row["answer"])]
@@ -184,13 +218,42 @@ def sample_pairs(model, tokenizer, prompts, rows, k: int, temperature: float, ma
     return pairs
 
 
+def load_models(args: Args, run: SimpleNamespace):
+    """The tokenizer, r_ϕ (the starting model with a new scalar head, or the checkpoint on resume) and the
+    EOS ids completions end with: any that the starting model's generation_config lists (chat models: several)."""
+    check_stage_input(args.model, "models/sft", "sft.py", "--model")
+    try:
+        path = args.model
+        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+        path = run.checkpoint or args.model
+        model = load_reward_model(path, args.trust_remote_code).to(run.device).train()
+    except Exception as e:
+        fail(load_failure(path, e))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    try:
+        eos_ids = common.eos_token_ids(tokenizer, GenerationConfig.from_pretrained(args.model))
+    except OSError:  # none saved
+        eos_ids = common.eos_token_ids(tokenizer)
+    return tokenizer, model, eos_ids
+
+
 def own_pairs(args: Args, run: SimpleNamespace, lm, tokenizer, rows: list[dict], autocast) -> list[dict]:
     """sample_pairs from the starting model over `rows`, each process a share, gathered: every process gets the same pairs."""
     mine = rows[run.rank * len(rows) // run.world : (run.rank + 1) * len(rows) // run.world]
-    prompt_ids = common.tokenize(tokenizer, [r["prompt"] for r in mine], max_length=args.max_length, left_truncate=True)
+    prompt_ids = common.tokenize_prompts(tokenizer, mine, args.max_length)
     with autocast:  # 8 new tokens: the built-in task's answers have at most 4 digits
-        pairs = sample_pairs(lm, tokenizer, prompt_ids, mine, args.sample_pairs, args.sample_temperature, 8, 8 * args.batch_size,
-                             run.device, show_progress=run.rank == 0)
+        pairs = sample_pairs(
+            lm,
+            tokenizer,
+            prompt_ids,
+            mine,
+            args.sample_pairs,
+            args.sample_temperature,
+            8,
+            8 * args.batch_size,
+            run.device,
+            show_progress=run.rank == 0,
+        )
     shares = [pairs]
     if dist.is_initialized():
         shares = [None] * run.world
@@ -204,7 +267,9 @@ def evaluate(model, tokenizer, eos_ids, rows, prompts, args: Args, device, autoc
     model.eval()
     wins, margins = [], []
     for i in range(0, len(rows), args.batch_size):  # never more memory than a training batch
-        batch = pair_batch(prompts[i : i + args.batch_size], rows[i : i + args.batch_size], tokenizer, args.max_length, device, eos_ids)
+        batch = pair_batch(
+            prompts[i : i + args.batch_size], rows[i : i + args.batch_size], tokenizer, args.max_length, device, eos_ids
+        )
         with autocast:
             chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
         wins += (chosen > rejected).tolist()
@@ -223,7 +288,9 @@ def centre_rewards(model, tokenizer, eos_ids, rows, prompts, args: Args, device,
     scores = []
     for k in range(0, len(sample), args.batch_size):
         chunk = sample[k : k + args.batch_size]
-        batch = pair_batch([prompts[i] for i in chunk], [rows[i] for i in chunk], tokenizer, args.max_length, device, eos_ids)
+        batch = pair_batch(
+            [prompts[i] for i in chunk], [rows[i] for i in chunk], tokenizer, args.max_length, device, eos_ids
+        )
         with autocast:
             scores.append(reward_scores(model, batch["input_ids"], batch["attention_mask"]))
     offset = torch.cat(scores).mean().item()
@@ -240,20 +307,7 @@ def main(args: Args):
     autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
     # 1. r_ϕ: the starting model with a new scalar head (from the checkpoint on resume)
-    if args.model == "models/sft" and not os.path.isfile("models/sft/config.json"):  # (an interrupted sft.py leaves it empty)
-        fail("models/sft not found: run `python sft.py` first (or pass --model)")
-    try:
-        path = args.model
-        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
-        path = run.checkpoint or args.model
-        model = load_reward_model(path, args.trust_remote_code).to(run.device).train()
-    except Exception as e:
-        fail(load_failure(path, e))
-    model.config.pad_token_id = tokenizer.pad_token_id
-    try:  # completions end at the first of any EOS id the starting model's generation_config lists (chat models: several)
-        eos_ids = common.eos_token_ids(tokenizer, GenerationConfig.from_pretrained(args.model))
-    except OSError:  # none saved
-        eos_ids = common.eos_token_ids(tokenizer)
+    tokenizer, model, eos_ids = load_models(args, run)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = wrap(model, args)
@@ -267,30 +321,41 @@ def main(args: Args):
     elif args.sample_pairs and all(r.get("answer") is not None for r in eval_rows):
         # The fixed pairs' slips are not the mistakes the policy makes: a reward model trained on them picks
         # wrong answers among the policy's own samples, and PPO learns to give them (see README).
-        t_sample, lm = time.time(), AutoModelForCausalLM.from_pretrained(
-            args.model, dtype=torch.float32, trust_remote_code=args.trust_remote_code, use_safetensors=True).to(run.device).eval()
+        t_sample = time.time()
+        lm = AutoModelForCausalLM.from_pretrained(
+            args.model, trust_remote_code=args.trust_remote_code, use_safetensors=True
+        )
+        lm.to(run.device, torch.float32).eval()
         n_prompts, n_eval = min(len(train_rows), args.sample_prompts), len(eval_rows)
         # held-out first, so that its pairs do not depend on --sample-prompts
         eval_rows = own_pairs(args, run, lm, tokenizer, eval_rows, autocast)
         train_rows, sampled = own_pairs(args, run, lm, tokenizer, train_rows[:n_prompts], autocast), True
         del lm
         if not eval_rows:
-            fail(f"none of the {n_eval} held-out prompts had both a right and a wrong sample: raise --eval-size or --sample-pairs, "
-                 "or pass --sample-pairs 0 for the fixed pairs")
-        print(f"sampled {args.sample_pairs} completions at T={args.sample_temperature} for each of {n_prompts} train and {n_eval} "
-              f"held-out prompts from {args.model}: a right and a wrong one → a pair ({time.time() - t_sample:.0f} s)")
-    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
-    eval_prompts = common.tokenize(tokenizer, [r["prompt"] for r in eval_rows], max_length=args.max_length, left_truncate=True)
-    print(f"reward model from {args.model} on {run.device} × {run.world}; {len(train_rows)} train / {len(eval_rows)} held-out pairs")
+            fail(
+                f"none of the {n_eval} held-out prompts had both a right and a wrong sample: raise --eval-size or "
+                "--sample-pairs, or pass --sample-pairs 0 for the fixed pairs"
+            )
+        print(
+            f"sampled {args.sample_pairs} completions at T={args.sample_temperature} for each of {n_prompts} train and {n_eval} "
+            f"held-out prompts from {args.model}: a right and a wrong one → a pair ({time.time() - t_sample:.0f} s)"
+        )
+    prompts = common.tokenize_prompts(tokenizer, train_rows, args.max_length)
+    eval_prompts = common.tokenize_prompts(tokenizer, eval_rows, args.max_length)
+    print(
+        f"reward model from {args.model} on {run.device} × {run.world}; {len(train_rows)} train / {len(eval_rows)} held-out pairs"
+    )
     step_rows = args.batch_size * args.grad_accum_steps * run.world
     if len(train_rows) < step_rows:
-        fail(f"{len(train_rows)} training pairs are fewer than one step's {step_rows} (batch size × accumulation steps × processes)")
+        fail(
+            f"{len(train_rows)} training pairs are fewer than one step's {step_rows} (batch size × accumulation steps × processes)"
+        )
 
     # 3. AdamW (fused: one kernel, no parameter-sized temporaries), linear warm-up then linear decay to 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
-        (s + 1) / args.warmup_steps, max(0.0, (args.steps - s) / max(1, args.steps - args.warmup_steps)) if args.lr_decay else 1.0))
-    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)  # the same order in every process
+    schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=args.lr_decay)
+    # the same order in every process
+    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)
     first_step = begin_training(args, run, model, optimizer, schedule, batches)
 
     def run_eval(step: int) -> dict:
@@ -298,6 +363,9 @@ def main(args: Args):
         log(run, metrics, step)
         tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics
+
+    def extra_state() -> dict:  # sampled pairs are saved with the checkpoint: a resumed run trains on the same
+        return {"pairs": [train_rows, eval_rows]} if sampled else {}
 
     start = end = run.state["start"] if run.state else run_eval(0)
     progress = tqdm(range(first_step, args.steps + 1), desc="reward", dynamic_ncols=True, disable=run.rank > 0 or None)
@@ -315,7 +383,8 @@ def main(args: Args):
             losses = bradley_terry_loss(chosen, rejected, margin)
             if args.center_rewards_coef:
                 losses = losses + args.center_rewards_coef * (chosen + rejected) ** 2
-            loss = losses.sum() / (len(idx) / run.world)  # the step's mean over all its pairs, once averaged over processes
+            # the step's mean over all its pairs, once averaged over processes
+            loss = losses.sum() / (len(idx) / run.world)
             loss.backward()
             totals["loss"] += loss.item()
             totals["accuracy"] += (chosen > rejected).float().mean().item() / args.grad_accum_steps
@@ -327,12 +396,11 @@ def main(args: Args):
 
         # 5. log, evaluate, checkpoint
         progress.set_postfix(loss=f"{totals['loss']:.4f}")
-        log(run, {**{f"train/{k}": v for k, v in totals.items()}, "train/grad_norm": grad_norm, "train/lr": schedule.get_last_lr()[0],
-                  "train/skipped_steps": run.skipped}, step)
+        totals.update(grad_norm=grad_norm, lr=schedule.get_last_lr()[0], skipped_steps=run.skipped)
+        log(run, {f"train/{k}": v for k, v in totals.items()}, step)
         if step % args.eval_every == 0 or step == args.steps:
             end = run_eval(step)
-        maybe_checkpoint(args, run, step, model, tokenizer, optimizer, schedule, start,
-                         lambda: {"pairs": [train_rows, eval_rows]} if sampled else {})
+        maybe_checkpoint(args, run, step, model, tokenizer, optimizer, schedule, start, extra_state)
 
     # 6. centre the rewards (mean 0 over training completions), then save
     offset = centre_rewards(model, tokenizer, eos_ids, train_rows, prompts, args, run.device, autocast)
@@ -361,8 +429,20 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
     if rank:  # only the first process prints, logs and saves
         sys.stdout = open(os.devnull, "w")
     name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
-    return SimpleNamespace(rank=rank, world=world, device=device, checkpoint=checkpoint, state=state, name=name, t_start=t_start,
-                           skipped=state["skipped"] if state else 0, last_checkpoint=checkpoint, stop=[], metrics_file=None, wandb=None)
+    return SimpleNamespace(
+        rank=rank,
+        world=world,
+        device=device,
+        checkpoint=checkpoint,
+        state=state,
+        name=name,
+        t_start=t_start,
+        skipped=state["skipped"] if state else 0,
+        last_checkpoint=checkpoint,
+        stop=[],
+        metrics_file=None,
+        wandb=None,
+    )
 
 
 def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
@@ -372,7 +452,9 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
-        set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            model, optimizer, run.state["optimizer"], options=StateDictOptions(full_state_dict=True)
+        )
         schedule.load_state_dict(run.state["schedule"])
         for _ in range(run.state["step"]):
             next(batches)
@@ -383,8 +465,14 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     if args.track and run.rank == 0:
         import wandb
 
-        run.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run.name, config=asdict(args),
-                               id=run.state.get("wandb_id") if run.state else None, resume="allow")
+        run.wandb = wandb.init(
+            project=args.wandb_project,
+            entity=args.wandb_entity,
+            name=run.name,
+            config=asdict(args),
+            id=run.state.get("wandb_id") if run.state else None,
+            resume="allow",
+        )
     on_stop_signal(run.stop)
     return run.state["step"] + 1 if run.state else 1
 
@@ -394,16 +482,31 @@ def process_share(indices: list, run: SimpleNamespace, size: int, micro_batch: i
     return indices[(micro_batch * run.world + run.rank) * size :][:size]
 
 
+def lr_schedule(optimizer, warmup_steps: int, steps: int, decay: bool):
+    """Linear warm-up over warmup_steps, then constant or (decay) linearly down to 0 at the last step."""
+
+    def factor(s: int) -> float:
+        return min((s + 1) / warmup_steps, max(0.0, (steps - s) / max(1, steps - warmup_steps)) if decay else 1.0)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | None = None):
     """A row of runs/<name>/metrics.jsonl (first process only) and, with --track, of wandb (samples: a table)."""
     if run.rank:
         return
-    run.metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}) + "\n")
+    run.metrics_file.write(
+        json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}) + "\n"
+    )
     run.metrics_file.flush()
     if run.wandb:
         import wandb
 
-        table = {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])} if samples else {}
+        table = (
+            {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}
+            if samples
+            else {}
+        )
         run.wandb.log({**metrics, **table}, step=step)
 
 
@@ -418,37 +521,53 @@ def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, op
     elif args.skip_nonfinite:
         run.skipped += 1
     else:
-        sys.exit(f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
-                 f"last good checkpoint: {run.last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
+        sys.exit(
+            f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
+            f"last good checkpoint: {run.last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite"
+        )
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.item()
 
 
-def maybe_checkpoint(args: Args, run: SimpleNamespace, step: int, model, tokenizer, optimizer, schedule, start: dict, extra_state=dict):
+def maybe_checkpoint(
+    args: Args, run: SimpleNamespace, step: int, model, tokenizer, optimizer, schedule, start: dict, extra_state=dict
+):
     """A checkpoint every --save-every steps, and when any process got a stop signal: then the run exits 0.
     `extra_state()`: what else this script's checkpoints hold (called in every process, only when saving)."""
     stopping = mean_over_processes({"stop": float(bool(run.stop))}, run.device)["stop"] > 0  # a signal to one stops all
     if (args.save_every and step % args.save_every == 0) or stopping:
-        run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, {
-            "schedule": schedule.state_dict(), "run_name": run.name, "start": start, "skipped": run.skipped,
-            "wandb_id": run.wandb.id if run.wandb else None, **extra_state(),
-        })
+        run.last_checkpoint = save_checkpoint(
+            args,
+            step,
+            model,
+            tokenizer,
+            optimizer,
+            {
+                "schedule": schedule.state_dict(),
+                "run_name": run.name,
+                "start": start,
+                "skipped": run.skipped,
+                "wandb_id": run.wandb.id if run.wandb else None,
+                **extra_state(),
+            },
+        )
     if stopping:
-        print(f"stopped by {(run.stop or ['a signal to another process'])[0]} after step {step}; saved {run.last_checkpoint}; "
-              "continue with --resume latest")
+        print(
+            f"stopped by {(run.stop or ['a signal to another process'])[0]} after step {step}; saved {run.last_checkpoint}; "
+            "continue with --resume latest"
+        )
         sys.exit(0)
 
 
 def finish_run(args: Args, run: SimpleNamespace, model, tokenizer, start: dict, end: dict):
-    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs."""
+    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs.
+    (torchrun's process group is destroyed after main() returns: see the end of the script.)"""
     save_final_model(model, tokenizer, args)
     print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
     if run.metrics_file:
         run.metrics_file.close()
     if run.wandb:
         run.wandb.finish()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -522,7 +641,9 @@ def save_final_model(model, tokenizer, args: Args):
         save_model(model, tokenizer, tmp, args)
         if main_process:
             new = os.listdir(tmp)
-            for name in set(os.listdir(args.output_dir)) - set(new):  # the previous model's files that the new one lacks
+            for name in set(os.listdir(args.output_dir)) - set(
+                new
+            ):  # the previous model's files that the new one lacks
                 if os.path.isfile(os.path.join(args.output_dir, name)):
                     os.remove(os.path.join(args.output_dir, name))
             for name in new:
@@ -554,16 +675,29 @@ def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: d
         write_failed(path + ".tmp", e, args.output_dir)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE)  # by parameter name, unsharded
     np_rng = np.random.get_state()
-    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-           "python": random.getstate(), "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:])}
+    rng = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:]),
+    }
     rngs = [rng]
     if dist.is_initialized():
         rngs = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, rng)
     if main_process:
         try:
-            torch.save({**state, "optimizer": optimizer_state, "step": step, "args": asdict(args), "rng": rngs,
-                        "script": os.path.basename(__file__)}, os.path.join(path + ".tmp", "trainer_state.pt"))
+            torch.save(
+                {
+                    **state,
+                    "optimizer": optimizer_state,
+                    "step": step,
+                    "args": asdict(args),
+                    "rng": rngs,
+                    "script": os.path.basename(__file__),
+                },
+                os.path.join(path + ".tmp", "trainer_state.pt"),
+            )
             shutil.rmtree(path, ignore_errors=True)
             os.replace(path + ".tmp", path)
         except Exception as e:
@@ -576,8 +710,22 @@ def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: d
 
 
 # flags that only steer a run: they may change when it is resumed; every other flag defines the run
-CAN_CHANGE_ON_RESUME = {"steps", "resume", "output_dir", "save_every", "keep_checkpoints", "eval_every", "track", "wandb_project",
-                        "wandb_entity", "run_name", "skip_nonfinite", "gradient_checkpointing", "fsdp", "trust_remote_code"}
+CAN_CHANGE_ON_RESUME = {
+    "steps",
+    "resume",
+    "output_dir",
+    "save_every",
+    "keep_checkpoints",
+    "eval_every",
+    "track",
+    "wandb_project",
+    "wandb_entity",
+    "run_name",
+    "skip_nonfinite",
+    "gradient_checkpointing",
+    "fsdp",
+    "trust_remote_code",
+}
 
 
 def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
@@ -596,7 +744,9 @@ def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
     try:
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
     except Exception as e:
-        fail(f"--resume {path}: {os.path.join(path, 'trainer_state.pt')} is corrupt or cut short ({common.error_reason(e)})")
+        fail(
+            f"--resume {path}: {os.path.join(path, 'trainer_state.pt')} is corrupt or cut short ({common.error_reason(e)})"
+        )
     script = os.path.basename(__file__)
     written_by = state.get("script") or (script if set(state["args"]) == set(asdict(args)) else "another script")
     if written_by != script:
@@ -606,14 +756,22 @@ def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
         value, flag = getattr(args, name, saved), "--" + name.replace("_", "-")
         if value == saved:
             continue
-        if value == getattr(defaults, name) and not {flag, flag.replace("--", "--no-")} & typed:  # not given: the run's own value
+        if (
+            value == getattr(defaults, name) and not {flag, flag.replace("--", "--no-")} & typed
+        ):  # not given: the run's own value
             setattr(args, name, saved)
         elif name not in CAN_CHANGE_ON_RESUME:
-            fail(f"{flag} {value} differs from the {saved} that {path} was run with; resume with the same value, or start a new run")
+            fail(
+                f"{flag} {value} differs from the {saved} that {path} was run with; resume with the same value, or start a new run"
+            )
     if args.steps != state["args"]["steps"]:
-        print(f"note: --steps {args.steps}: the run (begun with --steps {state['args']['steps']}) goes on to step {args.steps}")
+        print(
+            f"note: --steps {args.steps}: the run (begun with --steps {state['args']['steps']}) goes on to step {args.steps}"
+        )
     if state["step"] >= args.steps:
-        print(f"{path} is at step {state['step']}: the run already reached --steps {args.steps}; nothing to do (its model is in {path})")
+        print(
+            f"{path} is at step {state['step']}: the run already reached --steps {args.steps}; nothing to do (its model is in {path})"
+        )
         sys.exit(0)
     return path, state
 
@@ -655,11 +813,34 @@ def on_stop_signal(stop: list | None):
         signal.signal(sig, handler)
 
 
+def check_stage_input(path: str, default: str, script: str, flag: str):
+    """A stage's default input (models/sft, models/reward) exists only once the stage before has run."""
+    if path == default and not os.path.isfile(
+        os.path.join(path, "config.json")
+    ):  # (an interrupted run leaves it empty)
+        fail(f"{path} not found: run `python {script}` first (or pass {flag})")
+
+
 def check_args(args: Args):
     """Invalid flag values stop the run at once, before any model is loaded."""
-    check_ranges(args, ["steps", "batch_size", "grad_accum_steps", "lr", "warmup_steps", "max_grad_norm", "sample_temperature",
-                        "sample_prompts", "max_length", "eval_every", "eval_size", "keep_checkpoints"],
-                 ["center_rewards_coef", "seed", "save_every"])
+    check_ranges(
+        args,
+        [
+            "steps",
+            "batch_size",
+            "grad_accum_steps",
+            "lr",
+            "warmup_steps",
+            "max_grad_norm",
+            "sample_temperature",
+            "sample_prompts",
+            "max_length",
+            "eval_every",
+            "eval_size",
+            "keep_checkpoints",
+        ],
+        ["center_rewards_coef", "seed", "save_every"],
+    )
     if args.sample_pairs == 1 or args.sample_pairs < 0:
         fail(f"--sample-pairs must be 0 (the fixed pairs) or at least 2 samples per prompt (got {args.sample_pairs})")
 
@@ -721,8 +902,10 @@ def write_failed(path: str, e: Exception, output_dir: str):
     one line naming the last complete checkpoint; files written before are untouched."""
     shutil.rmtree(path, ignore_errors=True)
     last = (checkpoints(output_dir) or ["none"])[-1]
-    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
-             f"last complete checkpoint: {last}")
+    sys.exit(
+        f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
+        f"last complete checkpoint: {last}"
+    )
 
 
 if __name__ == "__main__":
@@ -731,3 +914,7 @@ if __name__ == "__main__":
         main(args)
     except common.DataError as e:
         fail(str(e))
+    # Only now, with main()'s DDP wrapper freed: had its reducer dropped the last reference to the process
+    # group, the group's threads would be joined while holding the GIL they may need (a hang at exit).
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -10,7 +10,7 @@ which it learns to imitate, slips included (the alignment stages then reward the
 model + tokenizer to `models/sft`. With `--model` and `--dataset` it
 fine-tunes any causal LM on any prompt/completion or messages dataset.
 
-    python sft.py                                   # tiny model, built-in task, 1-2 minutes on a CPU
+    python sft.py                                   # tiny model, built-in task, a few minutes on a CPU
     python sft.py --model Qwen/Qwen2.5-0.5B --dataset trl-lib/Capybara --lr 2e-5 --batch-size 16
 """
 
@@ -32,7 +32,12 @@ import torch
 import torch.distributed as dist
 import tyro
 from safetensors import safe_open
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
@@ -96,7 +101,7 @@ class Args:
     fsdp: bool = False
     """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
     gradient_checkpointing: bool = False
-    """recompute activations during the backward pass: much less memory for long sequences, ~1/3 more compute"""
+    """recompute activations during the backward pass: much less memory for long sequences, one more forward pass of compute"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "align"
@@ -145,8 +150,10 @@ def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperat
     def chunk(h, y):
         return token_logprobs(head(h)[None], y[None], temperature)[0]
 
-    out = [checkpoint(chunk, h, y, use_reentrant=False)
-           for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))]
+    out = [
+        checkpoint(chunk, h, y, use_reentrant=False)
+        for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))
+    ]
     return torch.cat(out).view_as(tokens)
 
 
@@ -170,7 +177,7 @@ def tiny_model(tokenizer, args: Args):
         num_key_value_heads=args.num_heads,
         max_position_embeddings=256,
         tie_word_embeddings=True,
-        attention_dropout=0.0,  # engineering detail 1: no dropout
+        attention_dropout=0.0,  # dropout off: log-probs must be deterministic
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,  # the character tokenizer adds no BOS
@@ -183,7 +190,7 @@ def load_model(path: str, trust_remote_code: bool):
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(config, key, 0.0)  # engineering detail 1: no dropout in any model
+            setattr(config, key, 0.0)  # dropout off in every model: log-probs must be deterministic
     return AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True
     )
@@ -194,7 +201,13 @@ def forward_logps(model, batch: dict) -> torch.Tensor:
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
     T = batch["completion_ids"].shape[1]
     # the body's last hidden states (logits for one position only), then the LM head a chunk at a time
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids, logits_to_keep=1, output_hidden_states=True)
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=position_ids,
+        logits_to_keep=1,
+        output_hidden_states=True,
+    )
     return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], batch["completion_ids"])
 
 
@@ -205,7 +218,9 @@ def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False
     generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
     call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
     own = model.generation_config
-    model.generation_config = GenerationConfig(**settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {}))
+    model.generation_config = GenerationConfig(
+        **settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {})
+    )
     try:
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
     finally:
@@ -216,12 +231,17 @@ def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False
 def evaluate(model, tokenizer, eos_ids: list[int], rows, args: Args, device, autocast) -> tuple[dict, list]:
     """Held-out loss, and greedy exact-match accuracy when the rows have answers; plus a few samples."""
     model.eval()
-    prompts = common.tokenize(tokenizer, [r["prompt"] for r in rows], max_length=args.max_length, left_truncate=True)
-    completions = common.tokenize(tokenizer, [r["completion"] for r in rows], add_eos=True, max_length=args.max_length, eos_ids=eos_ids)
+    prompts = common.tokenize_prompts(tokenizer, rows, args.max_length)
+    completions = common.tokenize(
+        tokenizer, [r["completion"] for r in rows], add_eos=True, max_length=args.max_length, eos_ids=eos_ids
+    )
     total_nll, total_tokens, correct, samples = 0.0, 0, 0, []
     has_answers = all(r.get("answer") is not None for r in rows)
     for i in range(0, len(rows), 64):
-        batch = {k: v.to(device) for k, v in common.collate(prompts[i : i + 64], completions[i : i + 64], tokenizer.pad_token_id).items()}
+        batch = {
+            k: v.to(device)
+            for k, v in common.collate(prompts[i : i + 64], completions[i : i + 64], tokenizer.pad_token_id).items()
+        }
         with autocast:
             logps = forward_logps(model, batch)
         total_nll -= (logps * batch["completion_mask"]).sum().item()
@@ -229,8 +249,14 @@ def evaluate(model, tokenizer, eos_ids: list[int], rows, args: Args, device, aut
         if has_answers:
             with autocast:
                 out = generate_exactly(
-                    model, batch["prompt_ids"], batch["prompt_mask"], synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: lockstep
-                    do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids,
+                    model,
+                    batch["prompt_ids"],
+                    batch["prompt_mask"],
+                    synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: lockstep
+                    do_sample=False,
+                    max_new_tokens=args.max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=eos_ids,
                 )
             texts = tokenizer.batch_decode(out[:, batch["prompt_ids"].shape[1] :], skip_special_tokens=True)
             for row, text in zip(rows[i : i + 64], texts):
@@ -260,8 +286,10 @@ def main(args: Args):
         except Exception as e:
             fail(load_failure(path, e))
     model.to(run.device).train()
-    print(f"model: {args.model or 'tiny Qwen2'} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters) "
-          f"on {run.device} × {run.world}, {'bf16 autocast' if args.bf16 else 'fp32'}")
+    print(
+        f"model: {args.model or 'tiny Qwen2'} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters) "
+        f"on {run.device} × {run.world}, {'bf16 autocast' if args.bf16 else 'fp32'}"
+    )
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trained = wrap(model, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
@@ -269,19 +297,24 @@ def main(args: Args):
     # 2. the data: prompt x and completion y (ending in EOS) for every row
     train_rows = common.load_rows(args.dataset, "train", "sft", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "sft", tokenizer, args.dataset_config)[: args.eval_size]
-    prompts = common.tokenize(tokenizer, [r["prompt"] for r in train_rows], max_length=args.max_length, left_truncate=True)
+    prompts = common.tokenize_prompts(tokenizer, train_rows, args.max_length)
     eos_ids = common.eos_token_ids(tokenizer, model.generation_config)  # completions end at the first of any
-    completions = common.tokenize(tokenizer, [r["completion"] for r in train_rows], add_eos=True, max_length=args.max_length, eos_ids=eos_ids)
+    completion_texts = [r["completion"] for r in train_rows]
+    completions = common.tokenize(
+        tokenizer, completion_texts, add_eos=True, max_length=args.max_length, eos_ids=eos_ids
+    )
     print(f"data: {len(train_rows)} train rows, {len(eval_rows)} held-out rows from {args.dataset}")
     step_rows = args.batch_size * args.grad_accum_steps * run.world
     if len(train_rows) < step_rows:
-        fail(f"{len(train_rows)} training rows are fewer than one step's {step_rows} (batch size × accumulation steps × processes)")
+        fail(
+            f"{len(train_rows)} training rows are fewer than one step's {step_rows} (batch size × accumulation steps × processes)"
+        )
 
     # 3. AdamW (fused: one kernel, no parameter-sized temporaries), linear warm-up then linear decay to 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
-        (s + 1) / args.warmup_steps, max(0.0, (args.steps - s) / max(1, args.steps - args.warmup_steps)) if args.lr_decay else 1.0))
-    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)  # the same order in every process
+    schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=args.lr_decay)
+    # the same order in every process
+    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)
     first_step = begin_training(args, run, model, optimizer, schedule, batches)
 
     def run_eval(step: int) -> dict:
@@ -304,7 +337,7 @@ def main(args: Args):
             batch = common.collate([prompts[i] for i in mine], [completions[i] for i in mine], tokenizer.pad_token_id)
             batch = {key: v.to(run.device) for key, v in batch.items()}
             # DDP averages gradients over processes: scaling by `world` turns that into the step's token sum
-            with trained.no_sync() if isinstance(trained, DDP) and k < args.grad_accum_steps - 1 else contextlib.nullcontext():
+            with gradient_sync(trained, last=k == args.grad_accum_steps - 1):
                 with autocast:
                     logps = forward_logps(trained, batch)
                 micro_loss = sft_loss(logps, batch["completion_mask"], num_tokens / run.world)
@@ -317,7 +350,12 @@ def main(args: Args):
         # 5. log, evaluate, checkpoint
         progress.set_postfix(loss=f"{loss:.4f}")
         if step % 10 == 0:
-            log(run, {"train/loss": loss, "train/grad_norm": grad_norm, "train/lr": schedule.get_last_lr()[0], "train/skipped_steps": run.skipped}, step)
+            lr = schedule.get_last_lr()[0]
+            log(
+                run,
+                {"train/loss": loss, "train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_steps": run.skipped},
+                step,
+            )
         if step % args.eval_every == 0 or step == args.steps:
             end = run_eval(step)
         maybe_checkpoint(args, run, step, model, tokenizer, optimizer, schedule, start)
@@ -346,8 +384,20 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
     if rank:  # only the first process prints, logs and saves
         sys.stdout = open(os.devnull, "w")
     name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
-    return SimpleNamespace(rank=rank, world=world, device=device, checkpoint=checkpoint, state=state, name=name, t_start=t_start,
-                           skipped=state["skipped"] if state else 0, last_checkpoint=checkpoint, stop=[], metrics_file=None, wandb=None)
+    return SimpleNamespace(
+        rank=rank,
+        world=world,
+        device=device,
+        checkpoint=checkpoint,
+        state=state,
+        name=name,
+        t_start=t_start,
+        skipped=state["skipped"] if state else 0,
+        last_checkpoint=checkpoint,
+        stop=[],
+        metrics_file=None,
+        wandb=None,
+    )
 
 
 def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
@@ -357,7 +407,9 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
-        set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            model, optimizer, run.state["optimizer"], options=StateDictOptions(full_state_dict=True)
+        )
         schedule.load_state_dict(run.state["schedule"])
         for _ in range(run.state["step"]):
             next(batches)
@@ -368,8 +420,14 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     if args.track and run.rank == 0:
         import wandb
 
-        run.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run.name, config=asdict(args),
-                               id=run.state.get("wandb_id") if run.state else None, resume="allow")
+        run.wandb = wandb.init(
+            project=args.wandb_project,
+            entity=args.wandb_entity,
+            name=run.name,
+            config=asdict(args),
+            id=run.state.get("wandb_id") if run.state else None,
+            resume="allow",
+        )
     on_stop_signal(run.stop)
     return run.state["step"] + 1 if run.state else 1
 
@@ -379,16 +437,36 @@ def process_share(indices: list, run: SimpleNamespace, size: int, micro_batch: i
     return indices[(micro_batch * run.world + run.rank) * size :][:size]
 
 
+def gradient_sync(model, last: bool):
+    """DDP all-reduces gradients in every backward pass; over a step's micro-batches only the last needs it."""
+    return model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
+
+
+def lr_schedule(optimizer, warmup_steps: int, steps: int, decay: bool):
+    """Linear warm-up over warmup_steps, then constant or (decay) linearly down to 0 at the last step."""
+
+    def factor(s: int) -> float:
+        return min((s + 1) / warmup_steps, max(0.0, (steps - s) / max(1, steps - warmup_steps)) if decay else 1.0)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | None = None):
     """A row of runs/<name>/metrics.jsonl (first process only) and, with --track, of wandb (samples: a table)."""
     if run.rank:
         return
-    run.metrics_file.write(json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}) + "\n")
+    run.metrics_file.write(
+        json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}) + "\n"
+    )
     run.metrics_file.flush()
     if run.wandb:
         import wandb
 
-        table = {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])} if samples else {}
+        table = (
+            {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}
+            if samples
+            else {}
+        )
         run.wandb.log({**metrics, **table}, step=step)
 
 
@@ -403,37 +481,53 @@ def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, op
     elif args.skip_nonfinite:
         run.skipped += 1
     else:
-        sys.exit(f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
-                 f"last good checkpoint: {run.last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite")
+        sys.exit(
+            f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
+            f"last good checkpoint: {run.last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite"
+        )
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.item()
 
 
-def maybe_checkpoint(args: Args, run: SimpleNamespace, step: int, model, tokenizer, optimizer, schedule, start: dict, extra_state=dict):
+def maybe_checkpoint(
+    args: Args, run: SimpleNamespace, step: int, model, tokenizer, optimizer, schedule, start: dict, extra_state=dict
+):
     """A checkpoint every --save-every steps, and when any process got a stop signal: then the run exits 0.
     `extra_state()`: what else this script's checkpoints hold (called in every process, only when saving)."""
     stopping = mean_over_processes({"stop": float(bool(run.stop))}, run.device)["stop"] > 0  # a signal to one stops all
     if (args.save_every and step % args.save_every == 0) or stopping:
-        run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, {
-            "schedule": schedule.state_dict(), "run_name": run.name, "start": start, "skipped": run.skipped,
-            "wandb_id": run.wandb.id if run.wandb else None, **extra_state(),
-        })
+        run.last_checkpoint = save_checkpoint(
+            args,
+            step,
+            model,
+            tokenizer,
+            optimizer,
+            {
+                "schedule": schedule.state_dict(),
+                "run_name": run.name,
+                "start": start,
+                "skipped": run.skipped,
+                "wandb_id": run.wandb.id if run.wandb else None,
+                **extra_state(),
+            },
+        )
     if stopping:
-        print(f"stopped by {(run.stop or ['a signal to another process'])[0]} after step {step}; saved {run.last_checkpoint}; "
-              "continue with --resume latest")
+        print(
+            f"stopped by {(run.stop or ['a signal to another process'])[0]} after step {step}; saved {run.last_checkpoint}; "
+            "continue with --resume latest"
+        )
         sys.exit(0)
 
 
 def finish_run(args: Args, run: SimpleNamespace, model, tokenizer, start: dict, end: dict):
-    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs."""
+    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs.
+    (torchrun's process group is destroyed after main() returns: see the end of the script.)"""
     save_final_model(model, tokenizer, args)
     print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
     if run.metrics_file:
         run.metrics_file.close()
     if run.wandb:
         run.wandb.finish()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -497,7 +591,9 @@ def save_final_model(model, tokenizer, args: Args):
         save_model(model, tokenizer, tmp, args)
         if main_process:
             new = os.listdir(tmp)
-            for name in set(os.listdir(args.output_dir)) - set(new):  # the previous model's files that the new one lacks
+            for name in set(os.listdir(args.output_dir)) - set(
+                new
+            ):  # the previous model's files that the new one lacks
                 if os.path.isfile(os.path.join(args.output_dir, name)):
                     os.remove(os.path.join(args.output_dir, name))
             for name in new:
@@ -529,16 +625,29 @@ def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: d
         write_failed(path + ".tmp", e, args.output_dir)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE)  # by parameter name, unsharded
     np_rng = np.random.get_state()
-    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-           "python": random.getstate(), "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:])}
+    rng = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:]),
+    }
     rngs = [rng]
     if dist.is_initialized():
         rngs = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, rng)
     if main_process:
         try:
-            torch.save({**state, "optimizer": optimizer_state, "step": step, "args": asdict(args), "rng": rngs,
-                        "script": os.path.basename(__file__)}, os.path.join(path + ".tmp", "trainer_state.pt"))
+            torch.save(
+                {
+                    **state,
+                    "optimizer": optimizer_state,
+                    "step": step,
+                    "args": asdict(args),
+                    "rng": rngs,
+                    "script": os.path.basename(__file__),
+                },
+                os.path.join(path + ".tmp", "trainer_state.pt"),
+            )
             shutil.rmtree(path, ignore_errors=True)
             os.replace(path + ".tmp", path)
         except Exception as e:
@@ -551,8 +660,22 @@ def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: d
 
 
 # flags that only steer a run: they may change when it is resumed; every other flag defines the run
-CAN_CHANGE_ON_RESUME = {"steps", "resume", "output_dir", "save_every", "keep_checkpoints", "eval_every", "track", "wandb_project",
-                        "wandb_entity", "run_name", "skip_nonfinite", "gradient_checkpointing", "fsdp", "trust_remote_code"}
+CAN_CHANGE_ON_RESUME = {
+    "steps",
+    "resume",
+    "output_dir",
+    "save_every",
+    "keep_checkpoints",
+    "eval_every",
+    "track",
+    "wandb_project",
+    "wandb_entity",
+    "run_name",
+    "skip_nonfinite",
+    "gradient_checkpointing",
+    "fsdp",
+    "trust_remote_code",
+}
 
 
 def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
@@ -571,7 +694,9 @@ def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
     try:
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
     except Exception as e:
-        fail(f"--resume {path}: {os.path.join(path, 'trainer_state.pt')} is corrupt or cut short ({common.error_reason(e)})")
+        fail(
+            f"--resume {path}: {os.path.join(path, 'trainer_state.pt')} is corrupt or cut short ({common.error_reason(e)})"
+        )
     script = os.path.basename(__file__)
     written_by = state.get("script") or (script if set(state["args"]) == set(asdict(args)) else "another script")
     if written_by != script:
@@ -581,14 +706,22 @@ def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
         value, flag = getattr(args, name, saved), "--" + name.replace("_", "-")
         if value == saved:
             continue
-        if value == getattr(defaults, name) and not {flag, flag.replace("--", "--no-")} & typed:  # not given: the run's own value
+        if (
+            value == getattr(defaults, name) and not {flag, flag.replace("--", "--no-")} & typed
+        ):  # not given: the run's own value
             setattr(args, name, saved)
         elif name not in CAN_CHANGE_ON_RESUME:
-            fail(f"{flag} {value} differs from the {saved} that {path} was run with; resume with the same value, or start a new run")
+            fail(
+                f"{flag} {value} differs from the {saved} that {path} was run with; resume with the same value, or start a new run"
+            )
     if args.steps != state["args"]["steps"]:
-        print(f"note: --steps {args.steps}: the run (begun with --steps {state['args']['steps']}) goes on to step {args.steps}")
+        print(
+            f"note: --steps {args.steps}: the run (begun with --steps {state['args']['steps']}) goes on to step {args.steps}"
+        )
     if state["step"] >= args.steps:
-        print(f"{path} is at step {state['step']}: the run already reached --steps {args.steps}; nothing to do (its model is in {path})")
+        print(
+            f"{path} is at step {state['step']}: the run already reached --steps {args.steps}; nothing to do (its model is in {path})"
+        )
         sys.exit(0)
     return path, state
 
@@ -632,9 +765,26 @@ def on_stop_signal(stop: list | None):
 
 def check_args(args: Args):
     """Invalid flag values stop the run at once, before any model is loaded."""
-    check_ranges(args, ["steps", "batch_size", "grad_accum_steps", "lr", "warmup_steps", "max_grad_norm", "max_length", "eval_every",
-                        "eval_size", "max_new_tokens", "hidden_size", "num_layers", "num_heads", "keep_checkpoints"],
-                 ["weight_decay", "seed", "save_every"])
+    check_ranges(
+        args,
+        [
+            "steps",
+            "batch_size",
+            "grad_accum_steps",
+            "lr",
+            "warmup_steps",
+            "max_grad_norm",
+            "max_length",
+            "eval_every",
+            "eval_size",
+            "max_new_tokens",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "keep_checkpoints",
+        ],
+        ["weight_decay", "seed", "save_every"],
+    )
     if args.hidden_size % args.num_heads:
         fail(f"--hidden-size ({args.hidden_size}) must be divisible by --num-heads ({args.num_heads})")
 
@@ -696,8 +846,10 @@ def write_failed(path: str, e: Exception, output_dir: str):
     one line naming the last complete checkpoint; files written before are untouched."""
     shutil.rmtree(path, ignore_errors=True)
     last = (checkpoints(output_dir) or ["none"])[-1]
-    sys.exit(f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
-             f"last complete checkpoint: {last}")
+    sys.exit(
+        f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
+        f"last complete checkpoint: {last}"
+    )
 
 
 if __name__ == "__main__":
@@ -706,3 +858,7 @@ if __name__ == "__main__":
         main(args)
     except common.DataError as e:
         fail(str(e))
+    # Only now, with main()'s DDP wrapper freed: had its reducer dropped the last reference to the process
+    # group, the group's threads would be joined while holding the GIL they may need (a hang at exit).
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -42,7 +42,18 @@ METHODS = {  # what each method holds in memory while it trains (from the script
 }
 LABELS = {"ppo": "PPO", "dpo": "DPO", "grpo": "GRPO", "more_sft": "more SFT (control)"}
 # the control: sft.py continued from models/sft with DPO's default steps, batch and learning rate
-CONTROL = ["--model", "models/sft", "--steps", "300", "--batch-size", "64", "--lr", "3e-5", "--output-dir", "models/more_sft"]
+CONTROL = [
+    "--model",
+    "models/sft",
+    "--steps",
+    "300",
+    "--batch-size",
+    "64",
+    "--lr",
+    "3e-5",
+    "--output-dir",
+    "models/more_sft",
+]
 
 
 @dataclass
@@ -68,8 +79,14 @@ class Args:
 def run(script: str, flags: list[str], cwd: Path) -> dict:
     """Runs one stage; returns its wall time and the peak resident memory of that process alone."""
     start = time.time()
-    proc = subprocess.Popen([sys.executable, str(ROOT / script), *flags], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / script), *flags],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+    )
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (ru_maxrss in KiB on Linux)
     if os.waitstatus_to_exitcode(status) != 0:
@@ -87,16 +104,29 @@ def kl_to_reference(policy_dir: Path, ref_dir: Path, n: int = 500) -> float:
     prompts = common.tokenize(tokenizer, [r["prompt"] for r in common.arithmetic_rows("test", "prompt")[:n]])
     ids, mask = common.pad(prompts, tokenizer.pad_token_id, "left")
     torch.manual_seed(0)
-    out = policy.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8,
-                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    out = policy.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     completion = out[:, ids.shape[1] :]
     is_eos = (completion == tokenizer.eos_token_id).long()
     cmask = (is_eos.cumsum(1) - is_eos) == 0  # up to and including the first EOS
     full_mask = torch.cat([mask, cmask.long()], 1)
     position_ids = (full_mask.cumsum(-1) - 1).clamp(min=0)
     logps = [
-        m(input_ids=out, attention_mask=full_mask, position_ids=position_ids).logits[:, ids.shape[1] - 1 : -1].log_softmax(-1)
-        .gather(-1, completion.unsqueeze(-1)).squeeze(-1) for m in (policy, ref)
+        m(input_ids=out, attention_mask=full_mask, position_ids=position_ids)
+        .logits[:, ids.shape[1] - 1 : -1]
+        .log_softmax(-1)
+        .gather(-1, completion.unsqueeze(-1))
+        .squeeze(-1)
+        for m in (policy, ref)
     ]
     return ((logps[0] - logps[1]) * cmask).sum(1).mean().item()
 
@@ -104,7 +134,10 @@ def kl_to_reference(policy_dir: Path, ref_dir: Path, n: int = 500) -> float:
 def trainable_parameters(method: str, cwd: Path) -> int:
     n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(cwd / "models" / method).parameters())
     if method == "ppo":  # the critic trains too
-        n += sum(p.numel() for p in AutoModelForSequenceClassification.from_pretrained(cwd / "models" / "reward").parameters())
+        n += sum(
+            p.numel()
+            for p in AutoModelForSequenceClassification.from_pretrained(cwd / "models" / "reward").parameters()
+        )
     return n
 
 
@@ -119,13 +152,22 @@ QUICK = {  # a few steps of each stage (--quick, for tests); 30 SFT steps answer
 
 
 def stage(name: str, seed: int, cwd: Path, args: Args) -> dict:
-    flags = ["--seed", str(seed), "--run-name", name, "--bf16" if args.bf16 else "--no-bf16", *(QUICK[name] if args.quick else [])]
+    flags = [
+        "--seed",
+        str(seed),
+        "--run-name",
+        name,
+        "--bf16" if args.bf16 else "--no-bf16",
+        *(QUICK[name] if args.quick else []),
+    ]
     if name in METHODS:
         flags += ["--eval-every", str(args.eval_every)]
     if name == "more_sft":
         flags = CONTROL + flags
     print(f"seed {seed}: {name}", flush=True)
-    shutil.rmtree(cwd / "runs" / name, ignore_errors=True)  # a rerun starts afresh: metrics.jsonl is appended to (for resumes)
+    shutil.rmtree(
+        cwd / "runs" / name, ignore_errors=True
+    )  # a rerun starts afresh: metrics.jsonl is appended to (for resumes)
     result = run("sft.py" if name == "more_sft" else f"{name}.py", flags, cwd)
     result["rows"] = [json.loads(line) for line in (cwd / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     return result
@@ -158,8 +200,14 @@ def base_models(args: Args) -> dict:
     """The SFT model and the reward model every method starts from (trained once, with --sft-seed)."""
     cwd = Path(args.workdir).resolve() / "base"
     cwd.mkdir(parents=True, exist_ok=True)
-    base = {"dir": cwd, "sft": stage("sft", args.sft_seed, cwd, args), "reward_model": stage("reward_model", args.sft_seed, cwd, args)}
-    base["reward_model"]["accuracy"] = [row for row in base["reward_model"]["rows"] if "eval/accuracy" in row][-1]["eval/accuracy"]
+    base = {
+        "dir": cwd,
+        "sft": stage("sft", args.sft_seed, cwd, args),
+        "reward_model": stage("reward_model", args.sft_seed, cwd, args),
+    }
+    base["reward_model"]["accuracy"] = [row for row in base["reward_model"]["rows"] if "eval/accuracy" in row][-1][
+        "eval/accuracy"
+    ]
     return base
 
 
@@ -177,16 +225,32 @@ def table(runs: list[dict], args: Args) -> str:
         "|---|" + "---|" * len(columns),
         "| models in memory | " + " | ".join(METHODS[m] for m in columns) + " |",
         "| trainable parameters | " + " | ".join(f"{runs[0][m]['trainable'] / 1e6:.2f}M" for m in columns) + " |",
-        "| peak memory (process RSS, GB) | " + " | ".join(mean_spread([r[m]["peak_rss_gb"] for r in runs], "{:.2f}") for m in columns) + " |",
-        "| wall time (s) | " + " | ".join(mean_spread([r[m]["wall_s"] for r in runs], "{:.0f}") for m in columns) + " |",
-        "| share of time generating | " + " | ".join(mean_spread([r[m]["generation_share"] for r in runs], "{:.0f}%", 100) for m in columns) + " |",
-        "| held-out accuracy before → after (%) | " + " | ".join(
-            mean_spread([r[m]["before"] for r in runs], scale=100) + " → " + mean_spread([r[m]["after"] for r in runs], scale=100) for m in columns) + " |",
-        "| KL(π ‖ π_ref) per completion at the end (nats) | " + " | ".join(mean_spread([r[m]["kl"] for r in runs], "{:.3f}") for m in columns) + " |",
+        "| peak memory (process RSS, GB) | "
+        + " | ".join(mean_spread([r[m]["peak_rss_gb"] for r in runs], "{:.2f}") for m in columns)
+        + " |",
+        "| wall time (s) | "
+        + " | ".join(mean_spread([r[m]["wall_s"] for r in runs], "{:.0f}") for m in columns)
+        + " |",
+        "| share of time generating | "
+        + " | ".join(mean_spread([r[m]["generation_share"] for r in runs], "{:.0f}%", 100) for m in columns)
+        + " |",
+        "| held-out accuracy before → after (%) | "
+        + " | ".join(
+            mean_spread([r[m]["before"] for r in runs], scale=100)
+            + " → "
+            + mean_spread([r[m]["after"] for r in runs], scale=100)
+            for m in columns
+        )
+        + " |",
+        "| KL(π ‖ π_ref) per completion at the end (nats) | "
+        + " | ".join(mean_spread([r[m]["kl"] for r in runs], "{:.3f}") for m in columns)
+        + " |",
     ]
-    extra = (f"PPO's wall time excludes training its reward model ({mean_spread([r['reward_model']['wall_s'] for r in runs], '{:.0f}')} s, "
-             f"held-out pairwise accuracy {mean_spread([r['reward_model']['accuracy'] for r in runs], scale=100)}%); all start "
-             f"from the same SFT model ({mean_spread([r['sft']['wall_s'] for r in runs], '{:.0f}')} s).")
+    extra = (
+        f"PPO's wall time excludes training its reward model ({mean_spread([r['reward_model']['wall_s'] for r in runs], '{:.0f}')} s, "
+        f"held-out pairwise accuracy {mean_spread([r['reward_model']['accuracy'] for r in runs], scale=100)}%); all start "
+        f"from the same SFT model ({mean_spread([r['sft']['wall_s'] for r in runs], '{:.0f}')} s)."
+    )
     return "\n".join(lines) + "\n\n" + extra
 
 
@@ -200,11 +264,23 @@ def plot(runs: list[dict], path: str):
     for method, color in zip(METHODS, ["tab:red", "tab:blue", "tab:green", "tab:gray"]):
         for k, r in enumerate(runs):
             t, acc = zip(*r[method]["curve"])
-            ax.plot(t, np.array(acc) * 100, color=color, marker="o", markersize=3, alpha=1.0 if k == 0 else 0.35,
-                    linestyle="--" if method == "more_sft" else "-", label=LABELS[method] if k == 0 else None)
-    ax.set_xlabel("wall time of the stage (s, 2 CPU cores)" if not torch.cuda.is_available() else "wall time of the stage (s)")
+            ax.plot(
+                t,
+                np.array(acc) * 100,
+                color=color,
+                marker="o",
+                markersize=3,
+                alpha=1.0 if k == 0 else 0.35,
+                linestyle="--" if method == "more_sft" else "-",
+                label=LABELS[method] if k == 0 else None,
+            )
+    ax.set_xlabel(
+        "wall time of the stage (s, 2 CPU cores)" if not torch.cuda.is_available() else "wall time of the stage (s)"
+    )
     ax.set_ylabel("held-out greedy accuracy (%)")
-    ax.set_title("3-digit addition: alignment from the same SFT model" + (f" ({len(runs)} seeds)" if len(runs) > 1 else ""))
+    ax.set_title(
+        "3-digit addition: alignment from the same SFT model" + (f" ({len(runs)} seeds)" if len(runs) > 1 else "")
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -217,16 +293,21 @@ def main(args: Args):
     base = base_models(args)
     runs = [pipeline(seed, base, args) for seed in args.seeds]
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores" + (
-        f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU")
-    command = f"python benchmarks/compare.py --seeds {' '.join(map(str, args.seeds))} --sft-seed {args.sft_seed}" + (
-        " --bf16" if args.bf16 else "") + (" --quick" if args.quick else "")
+        f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
+    )
+    command = (
+        f"python benchmarks/compare.py --seeds {' '.join(map(str, args.seeds))} --sft-seed {args.sft_seed}"
+        + (" --bf16" if args.bf16 else "")
+        + (" --quick" if args.quick else "")
+    )
     text = (
         f"## PPO vs DPO vs GRPO on the built-in task{', bf16 autocast' if args.bf16 else ', fp32'}\n\n"
         f"Measured {time.strftime('%Y-%m-%d')} on {machine} (torch {torch.__version__}); `{command}`: every stage with its "
         f"{'defaults' if not args.quick else 'QUICK test budgets (meaningless numbers)'}; one SFT model and reward model (seed "
         f"{args.sft_seed}), then PPO, DPO, GRPO and the control (`sft.py {' '.join(CONTROL)}`) with seeds {', '.join(map(str, args.seeds))}; held-out evaluation every "
         f"{args.eval_every} steps. Mean ± standard deviation over seeds. Peak memory is each training process's own maximum resident set.\n\n"
-        + table(runs, args) + f"\n\n![held-out accuracy against wall time]({Path(plot_path).name})\n"
+        + table(runs, args)
+        + f"\n\n![held-out accuracy against wall time]({Path(plot_path).name})\n"
     )
     write_section("compare_bf16" if args.bf16 else "compare", text, Path(args.results))
     plot(runs, plot_path)

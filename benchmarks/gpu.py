@@ -47,15 +47,54 @@ class Args:
 
 def build(args: Args):
     if args.tiny:
-        config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, tie_word_embeddings=True)
-        shape = dict(prompts=2, group=4, prompt_len=16, new_tokens=8, pairs=4, pair_prompt=16, pair_completion=16, micro=4,
-                     long_pairs=2, long_prompt=32, long_completion=32)
+        config = Qwen2Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+        shape = dict(
+            prompts=2,
+            group=4,
+            prompt_len=16,
+            new_tokens=8,
+            pairs=4,
+            pair_prompt=16,
+            pair_completion=16,
+            micro=4,
+            long_pairs=2,
+            long_prompt=32,
+            long_completion=32,
+        )
     else:  # Qwen/Qwen2.5-0.5B's config.json
-        config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                             num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6)
-        shape = dict(prompts=16, group=16, prompt_len=128, new_tokens=256, pairs=32, pair_prompt=256, pair_completion=256, micro=32,
-                     long_pairs=8, long_prompt=2048, long_completion=2048)
+        config = Qwen2Config(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1e6,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-6,
+        )
+        shape = dict(
+            prompts=16,
+            group=16,
+            prompt_len=128,
+            new_tokens=256,
+            pairs=32,
+            pair_prompt=256,
+            pair_completion=256,
+            micro=32,
+            long_pairs=8,
+            long_prompt=2048,
+            long_completion=2048,
+        )
     config.pad_token_id, config.eos_token_id = 0, 1
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(args.device)
@@ -83,7 +122,9 @@ def grpo_step(policy, ref, optimizer, config, shape, args, autocast) -> dict:
     t = timer(device)
     policy.eval()
     with autocast:
-        completion_ids, mask, _ = grpo.generate(policy, prompt_ids, prompt_mask, tokenizer, torch.tensor([1], device=device), run_args)
+        completion_ids, mask, _ = grpo.generate(
+            policy, prompt_ids, prompt_mask, tokenizer, torch.tensor([1], device=device), run_args
+        )
     policy.train()
     times["generation"], t = timer(device) - t, timer(device)
     input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
@@ -112,7 +153,8 @@ def dpo_step(policy, ref, optimizer, config, shape, args, autocast) -> dict:
     prompt = torch.randint(2, config.vocab_size, (B, shape["pair_prompt"]))
     completions = torch.randint(2, config.vocab_size, (2 * B, shape["pair_completion"]))
     batch = {
-        "input_ids": torch.cat([prompt.repeat(2, 1), completions], 1), "completion_ids": completions,
+        "input_ids": torch.cat([prompt.repeat(2, 1), completions], 1),
+        "completion_ids": completions,
         "completion_mask": torch.ones_like(completions),
     }
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
@@ -144,24 +186,44 @@ def main(args: Args):
     autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda")
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-    lines = [f"Model: Qwen2-architecture, {n_params / 1e6:.1f}M parameters ({'tiny test config' if args.tiny else 'Qwen2.5-0.5B shape'}), "
-             f"random weights; device: {name}; peak dense bf16: {peak or 'unknown'} TFLOPS; median of {args.repeats} steps after a warm-up.", ""]
-    long_context = dict(shape, pairs=shape["long_pairs"], pair_prompt=shape["long_prompt"], pair_completion=shape["long_completion"])
-    for method, step, shape in [("GRPO", grpo_step, shape), ("DPO", dpo_step, shape), ("DPO, long context", dpo_step, long_context)]:
+    lines = [
+        f"Model: Qwen2-architecture, {n_params / 1e6:.1f}M parameters ({'tiny test config' if args.tiny else 'Qwen2.5-0.5B shape'}), "
+        f"random weights; device: {name}; peak dense bf16: {peak or 'unknown'} TFLOPS; median of {args.repeats} steps after a warm-up.",
+        "",
+    ]
+    long_context = dict(
+        shape, pairs=shape["long_pairs"], pair_prompt=shape["long_prompt"], pair_completion=shape["long_completion"]
+    )
+    for method, step, step_shape in [
+        ("GRPO", grpo_step, shape),
+        ("DPO", dpo_step, shape),
+        ("DPO, long context", dpo_step, long_context),
+    ]:
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        runs = [step(policy, ref, optimizer, config, shape, args, autocast) for _ in range(args.repeats + 1)][1:]
+        runs = [step(policy, ref, optimizer, config, step_shape, args, autocast) for _ in range(args.repeats + 1)][1:]
         phases = {k: median([r["times"][k] for r in runs]) for k in runs[0]["times"]}
         total = sum(phases.values())
         # FLOPs: 2·N per token for a forward pass (generation, reference), 6·N for forward + backward
-        flops = {"generation": 2 * n_params * runs[0]["generated"], "reference log-probs": 2 * n_params * runs[0]["tokens"],
-                 "policy forward + backward": 6 * n_params * runs[0]["tokens"], "optimiser": 0}
-        shape_text = (f"{shape['prompts']} prompts × group {shape['group']}, {shape['prompt_len']} prompt + {shape['new_tokens']} new tokens"
-                      if method == "GRPO" else f"{shape['pairs']} pairs × 2 × {shape['pair_prompt'] + shape['pair_completion']} tokens")
+        flops = {
+            "generation": 2 * n_params * runs[0]["generated"],
+            "reference log-probs": 2 * n_params * runs[0]["tokens"],
+            "policy forward + backward": 6 * n_params * runs[0]["tokens"],
+            "optimiser": 0,
+        }
+        shape_text = (
+            f"{step_shape['prompts']} prompts × group {step_shape['group']}, {step_shape['prompt_len']} prompt + {step_shape['new_tokens']} new tokens"
+            if method == "GRPO"
+            else f"{step_shape['pairs']} pairs × 2 × {step_shape['pair_prompt'] + step_shape['pair_completion']} tokens"
+        )
         memory = f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if args.device == "cuda" else "n/a (CPU)"
-        lines += [f"**{method} step** ({shape_text}; peak CUDA memory {memory}; {total:.2f} s per step)", "",
-                  "| phase | seconds | share | tokens/s | MFU |", "|---|---|---|---|---|"]
+        lines += [
+            f"**{method} step** ({shape_text}; peak CUDA memory {memory}; {total:.2f} s per step)",
+            "",
+            "| phase | seconds | share | tokens/s | MFU |",
+            "|---|---|---|---|---|",
+        ]
         for phase, seconds in phases.items():
             tokens = runs[0]["generated"] if phase == "generation" else runs[0]["tokens"]
             rate = f"{tokens / seconds:,.0f}" if flops[phase] else "–"
@@ -171,7 +233,9 @@ def main(args: Args):
     text = "## GPU step profile (benchmarks/gpu.py)\n\n" + "\n".join(lines)
     print(text)
     if args.write:
-        write_section("gpu", text + f"\n\nCommand: `python benchmarks/gpu.py{' --device cpu --tiny' if args.tiny else ''}`.")
+        write_section(
+            "gpu", text + f"\n\nCommand: `python benchmarks/gpu.py{' --device cpu --tiny' if args.tiny else ''}`."
+        )
 
 
 if __name__ == "__main__":

@@ -55,7 +55,12 @@ def full_logits_sequence_logps(model, batch: dict) -> torch.Tensor:
     """The previous dpo.sequence_logps: the last T + 1 positions' logits [B,T+1,V], kept for backward."""
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     T = batch["completion_ids"].shape[1]
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids, logits_to_keep=T + 1).logits
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=position_ids,
+        logits_to_keep=T + 1,
+    ).logits
     return (dpo.token_logprobs(logits[:, :-1], batch["completion_ids"]) * batch["completion_mask"]).sum(1)
 
 
@@ -66,8 +71,17 @@ def peak_bytes(device: str) -> int:
 
 
 def one_variant(args: Args) -> dict:
-    config = Qwen2Config(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1)
+    config = Qwen2Config(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=4 * args.hidden_size,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(args.device)
     ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(args.device).requires_grad_(False).eval()
@@ -75,8 +89,11 @@ def one_variant(args: Args) -> dict:
     B = args.pairs
     prompt = torch.randint(2, config.vocab_size, (B, args.prompt_tokens))
     completions = torch.randint(2, config.vocab_size, (2 * B, args.completion_tokens))
-    batch = {"input_ids": torch.cat([prompt.repeat(2, 1), completions], 1), "completion_ids": completions,
-             "completion_mask": torch.ones_like(completions)}
+    batch = {
+        "input_ids": torch.cat([prompt.repeat(2, 1), completions], 1),
+        "completion_ids": completions,
+        "completion_mask": torch.ones_like(completions),
+    }
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     batch = {k: v.to(args.device) for k, v in batch.items()}
     sequence_logps = dpo.sequence_logps if args.variant == "chunked" else full_logits_sequence_logps
@@ -94,8 +111,12 @@ def one_variant(args: Args) -> dict:
     losses.mean().backward()
     optimizer.step()
     peak = peak_bytes(args.device)
-    return {"parameters": sum(p.numel() for p in policy.parameters()), "peak": peak, "step": peak - before,
-            "loss": losses.mean().item()}
+    return {
+        "parameters": sum(p.numel() for p in policy.parameters()),
+        "peak": peak,
+        "step": peak - before,
+        "loss": losses.mean().item(),
+    }
 
 
 def main(args: Args):
@@ -105,25 +126,36 @@ def main(args: Args):
     results = {}
     for variant in ("full-logits", "chunked"):
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("variant", "write")]
-        out = subprocess.run([sys.executable, __file__, *flags, "--variant", variant, "--no-write"], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, *flags, "--variant", variant, "--no-write"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     full, chunked = results["full-logits"], results["chunked"]
     assert abs(full["loss"] - chunked["loss"]) < 1e-4, (full["loss"], chunked["loss"])  # the same step
     kind = "peak CUDA memory" if args.device == "cuda" else "peak resident memory (ru_maxrss)"
     gib = 2**30
-    text = "\n".join([
-        "## Logits memory: a DPO step with a 151,936-token vocabulary (`benchmarks/logits_memory.py`)", "",
-        f"{full['parameters'] / 1e6:.1f}M-parameter Qwen2-architecture model, vocabulary {args.vocab_size:,}, {args.pairs} pairs × 2 × "
-        f"({args.prompt_tokens} + {args.completion_tokens}) tokens, fp32 on {args.device}; reference log-probs, policy forward + backward, "
-        f"AdamW step. {kind}, each variant in a fresh process, measured side by side in one run.", "",
-        "| variant | peak | added by the step | ratio to full logits (step) |", "|---|---|---|---|",
-        f"| full logits kept for backward (before) | {full['peak'] / gib:.2f} GiB | {full['step'] / gib:.2f} GiB | 1.00 |",
-        f"| LM head over chunks, recomputed in backward (`lm_head_logprobs`) | {chunked['peak'] / gib:.2f} GiB | {chunked['step'] / gib:.2f} GiB "
-        f"| {chunked['step'] / full['step']:.2f} |", "",
-        f"Command: `python benchmarks/logits_memory.py{' --device cuda' if args.device == 'cuda' else ''}`; run {datetime.date.today()} on "
-        f"{torch.cuda.get_device_name() if args.device == 'cuda' else f'{os.cpu_count()} CPU cores'}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}.",
-    ])
+    text = "\n".join(
+        [
+            "## Logits memory: a DPO step with a 151,936-token vocabulary (`benchmarks/logits_memory.py`)",
+            "",
+            f"{full['parameters'] / 1e6:.1f}M-parameter Qwen2-architecture model, vocabulary {args.vocab_size:,}, {args.pairs} pairs × 2 × "
+            f"({args.prompt_tokens} + {args.completion_tokens}) tokens, fp32 on {args.device}; reference log-probs, policy forward + backward, "
+            f"AdamW step. {kind}, each variant in a fresh process, measured side by side in one run.",
+            "",
+            "| variant | peak | added by the step | ratio to full logits (step) |",
+            "|---|---|---|---|",
+            f"| full logits kept for backward (before) | {full['peak'] / gib:.2f} GiB | {full['step'] / gib:.2f} GiB | 1.00 |",
+            f"| LM head over chunks, recomputed in backward (`lm_head_logprobs`) | {chunked['peak'] / gib:.2f} GiB | {chunked['step'] / gib:.2f} GiB "
+            f"| {chunked['step'] / full['step']:.2f} |",
+            "",
+            f"Command: `python benchmarks/logits_memory.py{' --device cuda' if args.device == 'cuda' else ''}`; run {datetime.date.today()} on "
+            f"{torch.cuda.get_device_name() if args.device == 'cuda' else f'{os.cpu_count()} CPU cores'}, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}.",
+        ]
+    )
     print(text)
     if args.write:
         write_section("logits_memory", text)

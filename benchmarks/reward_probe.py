@@ -57,8 +57,11 @@ def scores(reward, tokenizer, prompts: list[str], completions: list[str]) -> tor
     """r_ϕ(x, y) for each (prompt, completion + EOS), as reward_model.py trains and reads it, 256 at a time."""
     out = []
     for i in range(0, len(prompts), 256):
-        batch = common.collate(common.tokenize(tokenizer, prompts[i : i + 256]),
-                               common.tokenize(tokenizer, completions[i : i + 256], add_eos=True), tokenizer.pad_token_id)
+        batch = common.collate(
+            common.tokenize(tokenizer, prompts[i : i + 256]),
+            common.tokenize(tokenizer, completions[i : i + 256], add_eos=True),
+            tokenizer.pad_token_id,
+        )
         out.append(reward_scores(reward, batch["input_ids"], batch["attention_mask"]))
     return torch.cat(out)
 
@@ -67,7 +70,9 @@ def scores(reward, tokenizer, prompts: list[str], completions: list[str]) -> tor
 def pairwise_by_kind(reward, tokenizer, rows: list[dict]) -> dict[str, tuple[int, int]]:
     """{kind: (pairs ranked right, pairs)} over preference rows."""
     prompts = [r["prompt"] for r in rows]
-    right = scores(reward, tokenizer, prompts, [r["chosen"] for r in rows]) > scores(reward, tokenizer, prompts, [r["rejected"] for r in rows])
+    right = scores(reward, tokenizer, prompts, [r["chosen"] for r in rows]) > scores(
+        reward, tokenizer, prompts, [r["rejected"] for r in rows]
+    )
     correct, total = Counter(), Counter()
     for row, ok in zip(rows, right.tolist()):
         kind = slip_kind(row["chosen"], row["rejected"])
@@ -84,9 +89,18 @@ def best_of_n(policy, reward, tokenizer, rows: list[dict], n: int, temperature: 
     for i in range(0, len(rows), 64):
         chunk = rows[i : i + 64]
         ids, mask = common.pad(common.tokenize(tokenizer, [r["prompt"] for r in chunk]), tokenizer.pad_token_id, "left")
-        out = policy.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                              num_return_sequences=n, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=tokenizer.eos_token_id)
+        out = policy.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=n,
+            max_new_tokens=8,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
         texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
         r = scores(reward, tokenizer, [row["prompt"] for row in chunk for _ in range(n)], texts).view(len(chunk), n)
         for j, row in enumerate(chunk):
@@ -102,7 +116,15 @@ def main(args: Args):
     policy = AutoModelForCausalLM.from_pretrained(args.policy).eval()
     reward = AutoModelForSequenceClassification.from_pretrained(args.reward_model).eval()
     by_kind = pairwise_by_kind(reward, tokenizer, common.arithmetic_rows("test", "preference")[: args.eval_size])
-    picks = best_of_n(policy, reward, tokenizer, common.arithmetic_rows("test", "prompt")[: args.eval_size], args.n, args.temperature, args.seed)
+    picks = best_of_n(
+        policy,
+        reward,
+        tokenizer,
+        common.arithmetic_rows("test", "prompt")[: args.eval_size],
+        args.n,
+        args.temperature,
+        args.seed,
+    )
     all_right = sum(c for c, _ in by_kind.values()) / sum(t for _, t in by_kind.values())
     lines = [
         f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores (torch {torch.__version__}): "

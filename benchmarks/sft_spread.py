@@ -47,12 +47,30 @@ class Args:
 
 def command(seed: int, precision: str, processes: int, cwd: Path) -> list[str]:
     name = f"{precision}_s{seed}_p{processes}"
-    flags = ["--seed", str(seed), "--bf16" if precision == "bf16" else "--no-bf16", "--eval-every", "100000",
-             "--run-name", name, "--output-dir", f"models/{name}"]
+    flags = [
+        "--seed",
+        str(seed),
+        "--bf16" if precision == "bf16" else "--no-bf16",
+        "--eval-every",
+        "100000",
+        "--run-name",
+        name,
+        "--output-dir",
+        f"models/{name}",
+    ]
     if processes == 1:
         return [sys.executable, str(ROOT / "sft.py"), *flags]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), str(ROOT / "sft.py"),
-            *flags, "--batch-size", str(64 // processes)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        str(ROOT / "sft.py"),
+        *flags,
+        "--batch-size",
+        str(64 // processes),
+    ]
 
 
 def final_accuracy(cwd: Path, cmd: list[str]) -> float:
@@ -105,7 +123,10 @@ def main(args: Args):
     pairs = common.arithmetic_pairs("test")
     teacher = sum(not common.carries_into_hundreds(a, b) for a, b in pairs) / len(pairs)
     values = [100 * v for v in results.values()]
-    lines = ["| run | " + " | ".join(f"seed {s}" for s in args.seeds) + " | spread |", "|---|" + "---|" * (len(args.seeds) + 1)]
+    lines = [
+        "| run | " + " | ".join(f"seed {s}" for s in args.seeds) + " | spread |",
+        "|---|" + "---|" * (len(args.seeds) + 1),
+    ]
     for row in rows:
         accs = [100 * results[row, s] for s in args.seeds]
         lines.append(f"| {row} | " + " | ".join(f"{a:.1f}" for a in accs) + f" | {max(accs) - min(accs):.1f} |")
@@ -115,7 +136,8 @@ def main(args: Args):
         f"Measured {datetime.date.today()} on {machine}; `python benchmarks/sft_spread.py"
         f" --seeds {' '.join(map(str, args.seeds))}`: held-out greedy accuracy (%) of `sft.py` with its defaults at the"
         f" end, {len(values)} runs, {(time.time() - start) / 60:.0f} min in all. The teacher's level (held-out prompts"
-        f" without a carry into the hundreds): {100 * teacher:.1f}%.\n\n" + "\n".join(lines)
+        f" without a carry into the hundreds): {100 * teacher:.1f}%.\n\n"
+        + "\n".join(lines)
         + f"\n\nAll runs: {min(values):.1f}–{max(values):.1f}%, spread {max(values) - min(values):.1f} points.\n"
     )
     write_section("sft_spread", text, Path(args.results))

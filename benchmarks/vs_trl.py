@@ -49,8 +49,12 @@ from benchmarks.compare import run  # noqa: E402
 from benchmarks.results import write_section  # noqa: E402
 
 SIZES = {  # the tiny built-in model, and a ~25M-parameter one
-    "tiny": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8),
-    "25m": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8),
+    "tiny": dict(
+        hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8
+    ),
+    "25m": dict(
+        hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8
+    ),
 }
 
 
@@ -91,12 +95,21 @@ class Args:
 
 
 def models(size: str, tokenizer):
-    config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, num_labels=1, **SIZES[size])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        num_labels=1,
+        **SIZES[size],
+    )
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(config).eval()
     ref = AutoModelForCausalLM.from_config(config).eval()
-    ref.load_state_dict({k: v + 0.02 * torch.randn_like(v) for k, v in policy.state_dict().items()})  # near the policy, not equal
+    ref.load_state_dict(
+        {k: v + 0.02 * torch.randn_like(v) for k, v in policy.state_dict().items()}
+    )  # near the policy, not equal
     rm = AutoModelForSequenceClassification.from_config(config).eval()
     return policy, ref, rm
 
@@ -118,16 +131,30 @@ def trl_losses(policy, ref, rm, tokenizer, rows, beta) -> dict:
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
 
-    common_config = dict(per_device_train_batch_size=len(rows), use_cpu=True, bf16=False, gradient_checkpointing=False,
-                         report_to=[], max_length=None, dataloader_num_workers=0)
+    common_config = dict(
+        per_device_train_batch_size=len(rows),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to=[],
+        max_length=None,
+        dataloader_num_workers=0,
+    )
     data = Dataset.from_list(rows)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = DPOTrainer(model=policy, ref_model=ref, args=DPOConfig(output_dir=tmp, beta=beta, **common_config),
-                             train_dataset=data, processing_class=tokenizer)
+        trainer = DPOTrainer(
+            model=policy,
+            ref_model=ref,
+            args=DPOConfig(output_dir=tmp, beta=beta, **common_config),
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
         batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])  # in order, unshuffled
         out["dpo"] = trainer.compute_loss(trainer.model, batch).item()
-        trainer = RewardTrainer(model=rm, args=RewardConfig(output_dir=tmp, **common_config), train_dataset=data, processing_class=tokenizer)
+        trainer = RewardTrainer(
+            model=rm, args=RewardConfig(output_dir=tmp, **common_config), train_dataset=data, processing_class=tokenizer
+        )
         batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
         out["reward"] = trainer.compute_loss(trainer.model, batch).item()
     return out
@@ -151,14 +178,45 @@ def write_data(args: Args, workdir: Path) -> dict[str, Path]:
 
 
 def ours_flags(method: str, args: Args, model: Path, data: dict, out: Path) -> list[str]:
-    flags = ["--model", str(model), "--steps", str(args.steps), "--lr", str(LR[method]), "--warmup-steps", "1",
-             "--eval-every", str(10**6), "--eval-size", "16", "--output-dir", str(out / "model"), "--run-name", "run"]
+    flags = [
+        "--model",
+        str(model),
+        "--steps",
+        str(args.steps),
+        "--lr",
+        str(LR[method]),
+        "--warmup-steps",
+        "1",
+        "--eval-every",
+        str(10**6),
+        "--eval-size",
+        "16",
+        "--output-dir",
+        str(out / "model"),
+        "--run-name",
+        "run",
+    ]
     flags += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
     if method == "grpo":
         n = args.prompts_per_step * args.group_size
-        return flags + ["--dataset", str(data["prompt"]), "--prompts-per-step", str(args.prompts_per_step),
-                        "--group-size", str(args.group_size), "--micro-batch-size", str(n), "--beta", "0.04",
-                        "--loss-type", "grpo", "--temperature", "0.7", "--max-new-tokens", "8"]
+        return flags + [
+            "--dataset",
+            str(data["prompt"]),
+            "--prompts-per-step",
+            str(args.prompts_per_step),
+            "--group-size",
+            str(args.group_size),
+            "--micro-batch-size",
+            str(n),
+            "--beta",
+            "0.04",
+            "--loss-type",
+            "grpo",
+            "--temperature",
+            "0.7",
+            "--max-new-tokens",
+            "8",
+        ]
     flags += ["--beta", str(args.beta)] if method == "dpo" else ["--no-lr-decay"]  # TRL's runs: constant learning rate
     return flags + ["--dataset", str(data["preference"]), "--batch-size", str(args.batch_size)]
 
@@ -180,26 +238,64 @@ def trl_worker(args: Args):
             times.append(time.time())
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = dict(output_dir=tmp, max_steps=args.steps, learning_rate=LR[args.worker], lr_scheduler_type="constant", warmup_steps=0,
-                      max_grad_norm=1.0, use_cpu=True, bf16=False, report_to=[], logging_steps=1, save_strategy="no",
-                      dataloader_num_workers=0, seed=1, gradient_checkpointing=args.gradient_checkpointing)
+        config = dict(
+            output_dir=tmp,
+            max_steps=args.steps,
+            learning_rate=LR[args.worker],
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            max_grad_norm=1.0,
+            use_cpu=True,
+            bf16=False,
+            report_to=[],
+            logging_steps=1,
+            save_strategy="no",
+            dataloader_num_workers=0,
+            seed=1,
+            gradient_checkpointing=args.gradient_checkpointing,
+        )
         if args.worker == "grpo":
+
             def correct(completions, answer, **_):
                 return [float(common.is_correct(c, a)) for c, a in zip(completions, answer)]
 
-            config = GRPOConfig(per_device_train_batch_size=args.prompts_per_step * args.group_size, num_generations=args.group_size,
-                                steps_per_generation=1, max_completion_length=8, temperature=0.7, top_p=1.0, top_k=0, beta=0.04,
-                                epsilon=0.2, loss_type="grpo", scale_rewards="group", **config)
-            trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(args.model_dir), reward_funcs=[correct], args=config,
-                                  train_dataset=data, processing_class=tokenizer, callbacks=[StepTimes()])
+            config = GRPOConfig(
+                per_device_train_batch_size=args.prompts_per_step * args.group_size,
+                num_generations=args.group_size,
+                steps_per_generation=1,
+                max_completion_length=8,
+                temperature=0.7,
+                top_p=1.0,
+                top_k=0,
+                beta=0.04,
+                epsilon=0.2,
+                loss_type="grpo",
+                scale_rewards="group",
+                **config,
+            )
+            trainer = GRPOTrainer(
+                model=AutoModelForCausalLM.from_pretrained(args.model_dir),
+                reward_funcs=[correct],
+                args=config,
+                train_dataset=data,
+                processing_class=tokenizer,
+                callbacks=[StepTimes()],
+            )
         elif args.worker == "dpo":
             config = DPOConfig(per_device_train_batch_size=args.batch_size, beta=args.beta, max_length=None, **config)
-            trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(args.model_dir), args=config, train_dataset=data,
-                                 processing_class=tokenizer, callbacks=[StepTimes()])
+            trainer = DPOTrainer(
+                model=AutoModelForCausalLM.from_pretrained(args.model_dir),
+                args=config,
+                train_dataset=data,
+                processing_class=tokenizer,
+                callbacks=[StepTimes()],
+            )
         else:
             config = RewardConfig(per_device_train_batch_size=args.batch_size, max_length=None, **config)
             model = AutoModelForSequenceClassification.from_pretrained(args.model_dir, num_labels=1)
-            trainer = RewardTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[StepTimes()])
+            trainer = RewardTrainer(
+                model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[StepTimes()]
+            )
         trainer.train()
         trainer.save_model(tmp)  # ours saves its model too
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
@@ -219,10 +315,29 @@ def measure(method: str, impl: str, args: Args, workdir: Path, model: Path, data
         lengths = [r.get("train/completion_length", 0.0) for r in rows]
     else:
         result = out / "trl.json"
-        proc = run("benchmarks/vs_trl.py", ["--worker", method, "--model-dir", str(model), "--out", str(result),
-                   "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--beta", str(args.beta),
-                   "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
-                   "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing"], cwd=out)
+        proc = run(
+            "benchmarks/vs_trl.py",
+            [
+                "--worker",
+                method,
+                "--model-dir",
+                str(model),
+                "--out",
+                str(result),
+                "--steps",
+                str(args.steps),
+                "--batch-size",
+                str(args.batch_size),
+                "--beta",
+                str(args.beta),
+                "--prompts-per-step",
+                str(args.prompts_per_step),
+                "--group-size",
+                str(args.group_size),
+                "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing",
+            ],
+            cwd=out,
+        )
         result = json.loads(result.read_text())
         times, lengths = result["times"], result["completion_lengths"]
     assert len(times) == args.steps, (impl, method, len(times))
@@ -230,12 +345,16 @@ def measure(method: str, impl: str, args: Args, workdir: Path, model: Path, data
     steps = args.steps - args.skip
     if method == "grpo":
         samples = args.prompts_per_step * args.group_size
-        prompt_tokens = statistics.mean(len(json.loads(line)["prompt"]) for line in data["prompt"].read_text().splitlines())
-        tokens = samples * (prompt_tokens + statistics.mean(lengths[args.skip:]))
+        prompt_tokens = statistics.mean(
+            len(json.loads(line)["prompt"]) for line in data["prompt"].read_text().splitlines()
+        )
+        tokens = samples * (prompt_tokens + statistics.mean(lengths[args.skip :]))
     else:  # a pair is two sequences: prompt + chosen + EOS and prompt + rejected + EOS (one character is one token)
         samples = args.batch_size
         rows = [json.loads(line) for line in data["preference"].read_text().splitlines()]
-        tokens = samples * statistics.mean(2 * len(r["prompt"]) + len(r["chosen"]) + len(r["rejected"]) + 2 for r in rows)
+        tokens = samples * statistics.mean(
+            2 * len(r["prompt"]) + len(r["chosen"]) + len(r["rejected"]) + 2 for r in rows
+        )
     return {"samples_s": samples * steps / seconds, "tokens_s": tokens * steps / seconds, "rss_gb": proc["peak_rss_gb"]}
 
 
@@ -256,38 +375,51 @@ def speed(args: Args):
                 for impl in ["ours", "trl"]:
                     results[method][impl].append(measure(method, impl, args, workdir, workdir / "model", data))
                     print(method, impl, repeat, results[method][impl][-1], flush=True)
-    names = {"dpo": f"DPO ({args.batch_size} pairs/step)", "reward": f"reward model ({args.batch_size} pairs/step)",
-             "grpo": f"GRPO ({args.prompts_per_step}×{args.group_size} completions/step, 8 new tokens)"}
-    lines = [f"| method | ours samples/s | TRL samples/s | throughput ours/TRL min / median / max | ours tokens/s | TRL tokens/s "
-             f"| peak RSS ours / TRL (GB) | peak memory ours/TRL min / median / max |", "|---|---|---|---|---|---|---|---|"]
+    names = {
+        "dpo": f"DPO ({args.batch_size} pairs/step)",
+        "reward": f"reward model ({args.batch_size} pairs/step)",
+        "grpo": f"GRPO ({args.prompts_per_step}×{args.group_size} completions/step, 8 new tokens)",
+    }
+    lines = [
+        "| method | ours samples/s | TRL samples/s | throughput ours/TRL min / median / max | ours tokens/s | TRL tokens/s "
+        "| peak RSS ours / TRL (GB) | peak memory ours/TRL min / median / max |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
 
     def spread(values):
         return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
 
     for method in args.methods:
         ours, theirs = results[method]["ours"], results[method]["trl"]
-        med = {impl: {k: statistics.median(r[k] for r in results[method][impl]) for k in ours[0]} for impl in ["ours", "trl"]}
-        lines.append(f"| {names[method]} | {med['ours']['samples_s']:.0f} | {med['trl']['samples_s']:.0f} "
-                     f"| {spread([a['samples_s'] / b['samples_s'] for a, b in zip(ours, theirs)])} "
-                     f"| {med['ours']['tokens_s']:.0f} | {med['trl']['tokens_s']:.0f} "
-                     f"| {med['ours']['rss_gb']:.2f} / {med['trl']['rss_gb']:.2f} "
-                     f"| {spread([a['rss_gb'] / b['rss_gb'] for a, b in zip(ours, theirs)])} |")
+        med = {
+            impl: {k: statistics.median(r[k] for r in results[method][impl]) for k in ours[0]}
+            for impl in ["ours", "trl"]
+        }
+        lines.append(
+            f"| {names[method]} | {med['ours']['samples_s']:.0f} | {med['trl']['samples_s']:.0f} "
+            f"| {spread([a['samples_s'] / b['samples_s'] for a, b in zip(ours, theirs)])} "
+            f"| {med['ours']['tokens_s']:.0f} | {med['trl']['tokens_s']:.0f} "
+            f"| {med['ours']['rss_gb']:.2f} / {med['trl']['rss_gb']:.2f} "
+            f"| {spread([a['rss_gb'] / b['rss_gb'] for a, b in zip(ours, theirs)])} |"
+        )
     command = "python benchmarks/vs_trl.py " + " ".join(sys.argv[1:])
     recompute = "with" if args.gradient_checkpointing else "without"
-    text = (f"### {args.size} model ({n_params / 1e6:.2f}M parameters), {recompute} gradient checkpointing: throughput and peak memory, "
-            f"ours / TRL {trl.__version__}\n\n"
-            + "\n".join(lines) + f"\n\n{args.repeats} runs of each, alternating ours/TRL, {args.steps} steps each, timed over the last "
-            f"{args.steps - args.skip} (ratios pair run i of ours with run i of TRL). Command: `{command}`; "
-            f"{time.strftime('%Y-%m-%d')}, CPU fp32, torch {torch.__version__}, {torch.get_num_threads()} threads.")
+    text = (
+        f"### {args.size} model ({n_params / 1e6:.2f}M parameters), {recompute} gradient checkpointing: throughput and peak memory, "
+        f"ours / TRL {trl.__version__}\n\n"
+        + "\n".join(lines)
+        + f"\n\n{args.repeats} runs of each, alternating ours/TRL, {args.steps} steps each, timed over the last "
+        f"{args.steps - args.skip} (ratios pair run i of ours with run i of TRL). Command: `{command}`; "
+        f"{time.strftime('%Y-%m-%d')}, CPU fp32, torch {torch.__version__}, {torch.get_num_threads()} threads."
+    )
     print(text)
     if args.write:
         write_section(f"vs_trl_speed_{args.size}_{'recompute' if args.gradient_checkpointing else 'stored'}", text)
 
 
 def main(args: Args):
-    import trl
-
     import datasets
+    import trl
 
     transformers.utils.logging.set_verbosity_error()
     datasets.disable_progress_bars()
@@ -297,12 +429,18 @@ def main(args: Args):
     n_params = sum(p.numel() for p in policy.parameters())
     a = ours(policy, ref, rm, tokenizer, rows, args.beta)
     b = trl_losses(policy, ref, rm, tokenizer, rows, args.beta)
-    lines = ["| loss (first step, same inputs) | ours | TRL " + trl.__version__ + " | relative difference | within 1e-4 |", "|---|---|---|---|---|"]
+    lines = [
+        "| loss (first step, same inputs) | ours | TRL " + trl.__version__ + " | relative difference | within 1e-4 |",
+        "|---|---|---|---|---|",
+    ]
     for name, label in [("dpo", f"DPO (sigmoid, β = {args.beta})"), ("reward", "reward model (Bradley–Terry)")]:
         rel = abs(a[name] - b[name]) / abs(b[name])
         lines.append(f"| {label} | {a[name]:.8f} | {b[name]:.8f} | {rel:.1e} | {'yes' if rel <= 1e-4 else 'NO'} |")
-    text = (f"### {args.size} model ({n_params / 1e6:.2f}M parameters), {args.pairs} pairs of the built-in task, CPU fp32\n\n"
-            + "\n".join(lines) + f"\n\nCommand: `python benchmarks/vs_trl.py --size {args.size}`.")
+    text = (
+        f"### {args.size} model ({n_params / 1e6:.2f}M parameters), {args.pairs} pairs of the built-in task, CPU fp32\n\n"
+        + "\n".join(lines)
+        + f"\n\nCommand: `python benchmarks/vs_trl.py --size {args.size}`."
+    )
     print(text)
     if args.write:
         write_section(f"vs_trl_agreement_{args.size}", text)

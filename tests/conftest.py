@@ -17,12 +17,13 @@ sys.path.insert(0, str(ROOT))
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TQDM_DISABLE="1", WANDB_MODE="offline")
 
 
-
 SCRIPTS = ("sft.py", "reward_model.py", "dpo.py", "grpo.py", "ppo.py")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--bf16", action="store_true", help="run the training scripts with --bf16 (the GPU's default numerics)")
+    parser.addoption(
+        "--bf16", action="store_true", help="run the training scripts with --bf16 (the GPU's default numerics)"
+    )
 
 
 def pytest_configure(config):
@@ -41,10 +42,16 @@ def run_script(script: str, *args: str, cwd: Path, check: bool = True, env: dict
     """Runs `python <script> <args>` in `cwd` (so models/, runs/ and wandb/ land there)."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / script), *script_args(script, args)],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{script} {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"{script} {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
@@ -60,7 +67,14 @@ def sft_run(tmp_path_factory):
     return cwd, cwd / "models" / "sft", read_metrics(cwd, "session")
 
 
-RM_TEST_ARGS = ["--steps", "900", "--eval-every", "300", "--sample-prompts", "5000"]  # ~1/10 of the defaults' pairs, 1/5 of their steps
+RM_TEST_ARGS = [
+    "--steps",
+    "900",
+    "--eval-every",
+    "300",
+    "--sample-prompts",
+    "5000",
+]  # ~1/10 of the defaults' pairs, 1/5 of their steps
 
 
 @pytest.fixture(scope="session")
@@ -87,8 +101,11 @@ def chat_corpus() -> list[str]:
     lines = []
     for a in range(0, 200, 3):
         b = (a * 7) % 97
-        lines += [f"What is {a}+{b}? {a}+{b}={a + b}", f"Tom has {a} apples and buys {b} more. How many now?\n#### {a + b}",
-                  f"<|im_start|>user\nAdd {a} and {b}.<|im_end|>\n<|im_start|>assistant\nThe sum is {a + b}.<|im_end|>\n"]
+        lines += [
+            f"What is {a}+{b}? {a}+{b}={a + b}",
+            f"Tom has {a} apples and buys {b} more. How many now?\n#### {a + b}",
+            f"<|im_start|>user\nAdd {a} and {b}.<|im_end|>\n<|im_start|>assistant\nThe sum is {a + b}.<|im_end|>\n",
+        ]
     return lines
 
 
@@ -104,18 +121,33 @@ def build_chat_model(path: Path):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(chat_corpus(), trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        chat_corpus(),
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.chat_template = CHATML
     endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=endoftext,
-                         eos_token_id=im_end, pad_token_id=endoftext)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=endoftext,
+        eos_token_id=im_end,
+        pad_token_id=endoftext,
+    )
     model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(**CHAT_GENERATION, bos_token_id=endoftext, eos_token_id=[im_end, endoftext],
-                                               pad_token_id=endoftext)
+    model.generation_config = GenerationConfig(
+        **CHAT_GENERATION, bos_token_id=endoftext, eos_token_id=[im_end, endoftext], pad_token_id=endoftext
+    )
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -132,8 +164,17 @@ def build_char_reward_model(path: Path):
     tokenizer = common.build_char_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     Qwen2ForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

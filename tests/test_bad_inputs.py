@@ -3,8 +3,8 @@ before any training with ONE `error:` line (no traceback), and leaves what exist
 failed writes (disk full) name the last complete checkpoint and keep the previous files whole."""
 
 import hashlib
-import json
 import importlib
+import json
 import os
 import shutil
 import signal
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import tyro
-
 from conftest import ROOT, run_script
 
 QUICK = ["--eval-size", "8", "--eval-every", "1000"]
@@ -22,7 +21,11 @@ QUICK = ["--eval-size", "8", "--eval-every", "1000"]
 
 def digest(path: Path) -> dict:
     """Every file under `path` with the hash of its bytes."""
-    return {str(p.relative_to(path)): hashlib.sha1(p.read_bytes()).hexdigest() for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): hashlib.sha1(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +33,23 @@ def made(tmp_path_factory):
     """A tiny SFT model with checkpoints at steps 2 and 4, a GRPO checkpoint, and broken copies of each."""
     d = tmp_path_factory.mktemp("made")
     run_script("sft.py", "--steps", "4", "--batch-size", "8", "--save-every", "2", "--output-dir", "sft", *QUICK, cwd=d)
-    run_script("grpo.py", "--model", "sft", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--save-every", "1",
-               "--output-dir", "grpo", *QUICK, cwd=d)
+    run_script(
+        "grpo.py",
+        "--model",
+        "sft",
+        "--steps",
+        "1",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--save-every",
+        "1",
+        "--output-dir",
+        "grpo",
+        *QUICK,
+        cwd=d,
+    )
     shutil.copytree(d / "sft", d / "truncated", ignore=shutil.ignore_patterns("checkpoint-*"))
     weights = d / "truncated" / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)
@@ -43,14 +61,21 @@ def made(tmp_path_factory):
     (d / "not_a_model" / "notes.txt").write_text("hello")
     (d / "a_file").write_text("I am a file")
     (d / "null_sft.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "1+2=", "completion": null}\n')
-    (d / "null_dpo.jsonl").write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n' * 20 + '{"prompt": "1+1=", "chosen": "2", "rejected": null}\n')
+    (d / "null_dpo.jsonl").write_text(
+        '{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n' * 20
+        + '{"prompt": "1+1=", "chosen": "2", "rejected": null}\n'
+    )
     (d / "empty.jsonl").write_text("")
     (d / "garbage.jsonl").write_text("this is not json {\n")
     (d / "sft_rows.jsonl").write_text(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
-    (d / "long.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(100, 120)))
+    (d / "long.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(100, 120))
+    )
     shutil.copytree(d / "sft", d / "bad_tokenizer", ignore=shutil.ignore_patterns("checkpoint-*"))
     (d / "bad_tokenizer" / "tokenizer.json").write_text("{ cut short")
-    (d / "null_gsm8k.jsonl").write_text('{"question": "How many?", "answer": "#### 4"}\n{"question": "And now?", "answer": null}\n')
+    (d / "null_gsm8k.jsonl").write_text(
+        '{"question": "How many?", "answer": "#### 4"}\n{"question": "And now?", "answer": null}\n'
+    )
     return d
 
 
@@ -83,14 +108,28 @@ def test_bad_flag_values_stop_with_one_error_line(script, flags, message, capsys
     with pytest.raises(SystemExit) as stopped:
         module.check_args(tyro.cli(module.Args, args=flags))
     errors = capsys.readouterr().err.strip().splitlines()
-    assert stopped.value.code == 2 and len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], errors
+    assert stopped.value.code == 2 and len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], (
+        errors
+    )
 
 
 CASES = [  # script, flags ({d}: the fixture's directory), what the one line says
-    ("sft.py", ["--grad-accum-steps", "-1"], "--grad-accum-steps must be positive"),  # as a user runs it: it used to hang
+    (
+        "sft.py",
+        ["--grad-accum-steps", "-1"],
+        "--grad-accum-steps must be positive",
+    ),  # as a user runs it: it used to hang
     ("sft.py", ["--output-dir", "{d}/a_file"], "it is a file, not a directory"),  # used to exit 0 having saved nothing
-    ("sft.py", ["--output-dir", "{d}/a_file/model"], "cannot write to"),  # used to fail at the first save, after training
-    ("dpo.py", ["--model", "{d}/sft", "--output-dir", "/proc/no-such-dir/out"], "cannot write to /proc/no-such-dir/out"),
+    (
+        "sft.py",
+        ["--output-dir", "{d}/a_file/model"],
+        "cannot write to",
+    ),  # used to fail at the first save, after training
+    (
+        "dpo.py",
+        ["--model", "{d}/sft", "--output-dir", "/proc/no-such-dir/out"],
+        "cannot write to /proc/no-such-dir/out",
+    ),
     ("sft.py", ["--model", "{d}/truncated"], "truncated/model.safetensors is corrupt or cut short"),
     ("grpo.py", ["--model", "{d}/truncated"], "truncated/model.safetensors is corrupt or cut short"),
     ("grpo.py", ["--model", "{d}/no_such_model"], "no such file or directory"),
@@ -99,9 +138,17 @@ CASES = [  # script, flags ({d}: the fixture's directory), what the one line say
     ("grpo.py", ["--model", "{d}/sft", "--resume", "{d}/sft/checkpoint-4"], "written by sft.py, not grpo.py"),
     ("sft.py", ["--resume", "{d}/grpo/checkpoint-1"], "written by grpo.py, not sft.py"),
     ("dpo.py", ["--model", "{d}/sft", "--resume", "{d}/sft/checkpoint-4"], "written by sft.py, not dpo.py"),
-    ("reward_model.py", ["--model", "{d}/sft", "--resume", "{d}/sft/checkpoint-4"], "written by sft.py, not reward_model.py"),
+    (
+        "reward_model.py",
+        ["--model", "{d}/sft", "--resume", "{d}/sft/checkpoint-4"],
+        "written by sft.py, not reward_model.py",
+    ),
     ("sft.py", ["--resume", "{d}/bad_state"], "bad_state/trainer_state.pt is corrupt or cut short"),
-    ("sft.py", ["--resume", "{d}/bad_weights", "--steps", "6"], "bad_weights/model.safetensors is corrupt or cut short"),
+    (
+        "sft.py",
+        ["--resume", "{d}/bad_weights", "--steps", "6"],
+        "bad_weights/model.safetensors is corrupt or cut short",
+    ),
     ("sft.py", ["--resume", "{d}/sft/checkpoint-2", "--lr", "5e-4"], "--lr 0.0005 differs from the 0.001"),
     ("sft.py", ["--resume", "{d}/sft/checkpoint-2", "--batch-size", "16"], "--batch-size 16 differs from the 8"),
     ("sft.py", ["--resume", "{d}/sft/checkpoint-2", "--seed", "2"], "--seed 2 differs from the 1"),
@@ -114,14 +161,23 @@ CASES = [  # script, flags ({d}: the fixture's directory), what the one line say
     ("reward_model.py", ["--model", "{d}/sft", "--dataset", "{d}/empty.jsonl"], "is empty"),
     ("sft.py", ["--dataset", "{d}/garbage.jsonl"], "cannot read dataset file"),
     ("dpo.py", ["--model", "{d}/sft", "--dataset", "{d}/sft_rows.jsonl"], "has no column 'chosen'"),
-    ("grpo.py", ["--model", "{d}/sft", "--dataset", "{d}/long.jsonl", "--max-prompt-length", "4"], "every prompt is longer than the limit of 4"),
+    (
+        "grpo.py",
+        ["--model", "{d}/sft", "--dataset", "{d}/long.jsonl", "--max-prompt-length", "4"],
+        "every prompt is longer than the limit of 4",
+    ),
     ("sft.py", ["--resume", "{d}/not_a_model"], "not a checkpoint directory"),
     ("sft.py", ["--dataset", "{d}/null_sft.jsonl"], "row 2 (train split): column 'completion' is empty (null)"),
-    ("dpo.py", ["--model", "{d}/sft", "--dataset", "{d}/null_dpo.jsonl"], "row 21 (test split): column 'rejected' is empty (null)"),
+    (
+        "dpo.py",
+        ["--model", "{d}/sft", "--dataset", "{d}/null_dpo.jsonl"],
+        "row 21 (test split): column 'rejected' is empty (null)",
+    ),
     ("grpo.py", ["--model", "{d}/sft", "--dataset", "{d}/null_gsm8k.jsonl"], "column 'answer' is empty (null)"),
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,flags,message", CASES, ids=[f"{s}:{' '.join(f)[:40]}" for s, f, _ in CASES])
 def test_bad_input_one_error_line_and_nothing_changed(script, flags, message, made, tmp_path):
     before = digest(made)
@@ -133,12 +189,16 @@ def test_bad_input_one_error_line_and_nothing_changed(script, flags, message, ma
     assert not (tmp_path / "runs").exists()  # nothing was started
 
 
+@pytest.mark.slow
 def test_an_unknown_choice_is_refused_by_tyro(tmp_path):
     proc = run_script("dpo.py", "--loss-type", "bogus", cwd=tmp_path, check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "invalid choice 'bogus'" in proc.stderr  # tyro's framed message
+    assert (
+        proc.returncode == 2 and "Traceback" not in proc.stderr and "invalid choice 'bogus'" in proc.stderr
+    )  # tyro's framed message
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_a_finished_run_resumed_again_says_so_and_changes_nothing(made, tmp_path):
     before = digest(made)
     proc = run_script("sft.py", "--resume", str(made / "sft" / "checkpoint-4"), cwd=tmp_path)
@@ -146,17 +206,28 @@ def test_a_finished_run_resumed_again_says_so_and_changes_nothing(made, tmp_path
     assert digest(made) == before
 
 
+@pytest.mark.slow
 def test_resume_takes_the_run_flags_from_the_checkpoint_and_extends_steps(made, tmp_path):
     """No flags but --resume: the run's own batch size, output dir, ... (not the defaults); --steps may grow."""
     shutil.copytree(made / "sft", tmp_path / "sft")
     proc = run_script("sft.py", "--resume", "sft/checkpoint-4", "--steps", "6", "--run-name", "r", cwd=tmp_path)
     assert "goes on to step 6" in proc.stdout and "saved to sft" in proc.stdout
-    assert sorted(p.name for p in (tmp_path / "sft").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"][-2:]
+    assert (
+        sorted(p.name for p in (tmp_path / "sft").glob("checkpoint-*"))
+        == ["checkpoint-2", "checkpoint-4", "checkpoint-6"][-2:]
+    )
 
 
+@pytest.mark.slow
 def test_a_signal_during_set_up_exits_at_once_with_nothing_to_save(tmp_path):
-    proc = subprocess.Popen([sys.executable, str(ROOT / "sft.py"), "--eval-size", "500"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "sft.py"), "--eval-size", "500"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert proc.stdout.readline().startswith("model:")  # set-up is under way (the held-out evaluation comes next)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -180,6 +251,7 @@ sft.main(tyro.cli(sft.Args))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["final.tmp", "checkpoint-4"])
 def test_a_failed_write_keeps_the_previous_files_and_names_the_last_checkpoint(which, made, tmp_path):
     """Disk full while writing the final model, or a checkpoint: exit 1, one line naming the path and the last
@@ -193,7 +265,12 @@ def test_a_failed_write_keeps_the_previous_files_and_names_the_last_checkpoint(w
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(errors) == 1 and "No space left on device" in errors[0], proc.stderr[-2000:]
-    assert f"last complete checkpoint: {os.path.join('out', 'checkpoint-4' if which == 'final.tmp' else 'checkpoint-2')}" in errors[0]
+    assert (
+        f"last complete checkpoint: {os.path.join('out', 'checkpoint-4' if which == 'final.tmp' else 'checkpoint-2')}"
+        in errors[0]
+    )
     after = digest(tmp_path / "out")
-    assert {k: v for k, v in after.items() if not k.startswith("checkpoint-4/")} == before  # the previous files, untouched
+    assert {
+        k: v for k, v in after.items() if not k.startswith("checkpoint-4/")
+    } == before  # the previous files, untouched
     assert not list((tmp_path / "out").glob("*.tmp"))

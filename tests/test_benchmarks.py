@@ -2,17 +2,18 @@
 profile's code path on a tiny CPU config. (The full runs are the benchmarks themselves.)"""
 
 import pytest
+from conftest import run_script
 
 from benchmarks import compare
 from benchmarks.results import write_section
-from conftest import run_script
 
 
+@pytest.mark.slow
 def test_kl_of_a_policy_to_itself_is_zero_and_to_another_positive(sft_run, tmp_path):
     _, sft_dir, _ = sft_run
     assert compare.kl_to_reference(sft_dir, sft_dir, n=64) == 0.0
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     other = AutoModelForCausalLM.from_pretrained(sft_dir)
     with torch.no_grad():
@@ -25,21 +26,49 @@ def test_kl_of_a_policy_to_itself_is_zero_and_to_another_positive(sft_run, tmp_p
 
 def fake_runs():
     def method(before, after, wall):
-        return {"wall_s": wall, "peak_rss_gb": 0.5, "generation_share": 0.25, "before": before, "after": after, "kl": 0.1,
-                "trainable": 540_000, "curve": [(1.0, before), (wall, after)]}
+        return {
+            "wall_s": wall,
+            "peak_rss_gb": 0.5,
+            "generation_share": 0.25,
+            "before": before,
+            "after": after,
+            "kl": 0.1,
+            "trainable": 540_000,
+            "curve": [(1.0, before), (wall, after)],
+        }
+
     return [
-        {"ppo": method(0.68, 0.66, 60), "dpo": method(0.68, 0.70, 30), "grpo": method(0.68, 0.80, 80), "more_sft": method(0.68, 0.75, 20),
-         "reward_model": {"wall_s": 90, "accuracy": 0.80}, "sft": {"wall_s": 35}},
-        {"ppo": method(0.60, 0.62, 64), "dpo": method(0.60, 0.64, 32), "grpo": method(0.60, 0.84, 84), "more_sft": method(0.60, 0.77, 22),
-         "reward_model": {"wall_s": 92, "accuracy": 0.82}, "sft": {"wall_s": 37}},
+        {
+            "ppo": method(0.68, 0.66, 60),
+            "dpo": method(0.68, 0.70, 30),
+            "grpo": method(0.68, 0.80, 80),
+            "more_sft": method(0.68, 0.75, 20),
+            "reward_model": {"wall_s": 90, "accuracy": 0.80},
+            "sft": {"wall_s": 35},
+        },
+        {
+            "ppo": method(0.60, 0.62, 64),
+            "dpo": method(0.60, 0.64, 32),
+            "grpo": method(0.60, 0.84, 84),
+            "more_sft": method(0.60, 0.77, 22),
+            "reward_model": {"wall_s": 92, "accuracy": 0.82},
+            "sft": {"wall_s": 37},
+        },
     ]
 
 
 def test_table_reports_mean_and_std_over_seeds():
     text = compare.table(fake_runs(), compare.Args())
     # two seeds a and b: mean (a+b)/2, sample standard deviation |a−b|/√2
-    assert "| held-out accuracy before → after (%) | 64.0 ± 5.7 → 64.0 ± 2.8 | 64.0 ± 5.7 → 67.0 ± 4.2 | 64.0 ± 5.7 → 82.0 ± 2.8 | 64.0 ± 5.7 → 76.0 ± 1.4 |" in text
-    assert "| wall time (s) | 62 ± 3 | 31 ± 1 | 82 ± 3 | 21 ± 1 |" in text and "more SFT (control)" in text and "| share of time generating | 25% ± 0% |" in text
+    assert (
+        "| held-out accuracy before → after (%) | 64.0 ± 5.7 → 64.0 ± 2.8 | 64.0 ± 5.7 → 67.0 ± 4.2 | 64.0 ± 5.7 → 82.0 ± 2.8 | 64.0 ± 5.7 → 76.0 ± 1.4 |"
+        in text
+    )
+    assert (
+        "| wall time (s) | 62 ± 3 | 31 ± 1 | 82 ± 3 | 21 ± 1 |" in text
+        and "more SFT (control)" in text
+        and "| share of time generating | 25% ± 0% |" in text
+    )
 
 
 def test_results_sections_are_replaced_not_duplicated(tmp_path):
@@ -48,7 +77,9 @@ def test_results_sections_are_replaced_not_duplicated(tmp_path):
     write_section("gpu", "gpu numbers", path)
     write_section("compare", "second", path)
     text = path.read_text()
-    assert "second" in text and "first" not in text and "gpu numbers" in text and text.count("<!-- compare:start -->") == 1
+    assert (
+        "second" in text and "first" not in text and "gpu numbers" in text and text.count("<!-- compare:start -->") == 1
+    )
 
 
 def test_plot_is_written(tmp_path):
@@ -57,20 +88,38 @@ def test_plot_is_written(tmp_path):
     assert (tmp_path / "c.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_gpu_profile_runs_on_a_tiny_cpu_config(tmp_path):
     proc = run_script("benchmarks/gpu.py", "--device", "cpu", "--tiny", "--repeats", "1", "--no-write", cwd=tmp_path)
     for phase in ["generation", "reference log-probs", "policy forward + backward", "optimiser"]:
         assert f"| {phase} |" in proc.stdout
-    assert "**GRPO step**" in proc.stdout and "**DPO step**" in proc.stdout and "**DPO, long context step**" in proc.stdout
+    assert (
+        "**GRPO step**" in proc.stdout and "**DPO step**" in proc.stdout and "**DPO, long context step**" in proc.stdout
+    )
 
 
+@pytest.mark.slow
 def test_logits_memory_runs_both_variants_on_a_small_config(tmp_path):
     """Both variants take the same step (the script checks their losses agree) and the table is printed."""
-    proc = run_script("benchmarks/logits_memory.py", "--vocab-size", "2000", "--hidden-size", "32", "--pairs", "2", "--prompt-tokens", "8",
-                      "--completion-tokens", "8", "--no-write", cwd=tmp_path)
+    proc = run_script(
+        "benchmarks/logits_memory.py",
+        "--vocab-size",
+        "2000",
+        "--hidden-size",
+        "32",
+        "--pairs",
+        "2",
+        "--prompt-tokens",
+        "8",
+        "--completion-tokens",
+        "8",
+        "--no-write",
+        cwd=tmp_path,
+    )
     assert "| full logits kept for backward (before) |" in proc.stdout and "`lm_head_logprobs`" in proc.stdout
 
 
+@pytest.mark.slow
 def test_vs_trl_first_step_losses_agree(tmp_path):
     pytest.importorskip("trl", reason="benchmark dependency: pip install -r benchmarks/requirements.txt")
     proc = run_script("benchmarks/vs_trl.py", "--pairs", "4", "--no-write", cwd=tmp_path)
@@ -78,10 +127,28 @@ def test_vs_trl_first_step_losses_agree(tmp_path):
     assert len(rows) == 2 and all(row.rstrip().endswith("| yes |") for row in rows), proc.stdout
 
 
+@pytest.mark.slow
 def test_vs_trl_speed_runs_both_implementations_of_each_method(tmp_path):
     pytest.importorskip("trl", reason="benchmark dependency: pip install -r benchmarks/requirements.txt")
-    proc = run_script("benchmarks/vs_trl.py", "--part", "speed", "--steps", "3", "--skip", "1", "--repeats", "1",
-                      "--batch-size", "4", "--prompts-per-step", "2", "--group-size", "2", "--no-write", cwd=tmp_path)
+    proc = run_script(
+        "benchmarks/vs_trl.py",
+        "--part",
+        "speed",
+        "--steps",
+        "3",
+        "--skip",
+        "1",
+        "--repeats",
+        "1",
+        "--batch-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--no-write",
+        cwd=tmp_path,
+    )
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("| DPO", "| reward model", "| GRPO"))]
     assert len(rows) == 3, proc.stdout
     for row in rows:  # every cell measured: positive throughputs, ratios and memory
@@ -90,6 +157,7 @@ def test_vs_trl_speed_runs_both_implementations_of_each_method(tmp_path):
         assert len(numbers) == 12 and all(x > 0 for x in numbers), row
 
 
+@pytest.mark.slow
 def test_reward_probe_sorts_slips_by_digit_and_counts_best_of_n(sft_run):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -97,7 +165,12 @@ def test_reward_probe_sorts_slips_by_digit_and_counts_best_of_n(sft_run):
     from benchmarks import reward_probe
 
     # 581 is '1850': 1581 ('1851'), 481 ('1840'), 591 ('1950'), 582 ('2850')
-    assert [reward_probe.slip_kind("1850", r) for r in ["1851", "1840", "1950", "2850"]] == ["thousands", "hundreds", "tens", "units"]
+    assert [reward_probe.slip_kind("1850", r) for r in ["1851", "1840", "1950", "2850"]] == [
+        "thousands",
+        "hundreds",
+        "tens",
+        "units",
+    ]
     assert reward_probe.slip_kind("1011", "1111") == "tens" and reward_probe.slip_kind("7", "8") == "units"
     _, sft_dir, _ = sft_run
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
@@ -106,6 +179,8 @@ def test_reward_probe_sorts_slips_by_digit_and_counts_best_of_n(sft_run):
     rows = common.arithmetic_rows("test", "preference")[:40]
     by_kind = reward_probe.pairwise_by_kind(reward, tokenizer, rows)
     assert sum(t for _, t in by_kind.values()) == 40 and all(0 <= c <= t for c, t in by_kind.values())
-    picks = reward_probe.best_of_n(policy, reward, tokenizer, common.arithmetic_rows("test", "prompt")[:16], 4, 0.7, seed=0)
+    picks = reward_probe.best_of_n(
+        policy, reward, tokenizer, common.arithmetic_rows("test", "prompt")[:16], 4, 0.7, seed=0
+    )
     assert set(picks) == {"random sample", "reward model's best of 4", "any of 4 (oracle)"}
     assert picks["any of 4 (oracle)"] >= max(picks["random sample"], picks["reward model's best of 4"]) > 0

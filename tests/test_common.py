@@ -5,10 +5,10 @@ import json
 import pandas as pd
 import pytest
 import torch
+from conftest import run_script
 from transformers import AutoTokenizer
 
 import common
-from conftest import run_script
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -52,7 +52,10 @@ def test_numbers_are_written_least_significant_digit_first():
     assert common.little_endian(7, 3) == "700" and common.from_little_endian("700") == 7
     row = common.arithmetic_rows("test", "prompt")[0]
     a, b = operands(row["prompt"])
-    assert row["prompt"] == f"{str(a).zfill(3)[::-1]}+{str(b).zfill(3)[::-1]}=" and common.from_little_endian(row["answer"]) == a + b
+    assert (
+        row["prompt"] == f"{str(a).zfill(3)[::-1]}+{str(b).zfill(3)[::-1]}="
+        and common.from_little_endian(row["answer"]) == a + b
+    )
 
 
 def test_arithmetic_rows_each_kind():
@@ -114,7 +117,9 @@ def test_char_tokenizer_round_trip(tmp_path):
 def test_tokenize_adds_exactly_one_eos_and_truncates():
     tok = common.build_char_tokenizer()
     eos = tok.eos_token_id
-    assert common.tokenize(tok, ["58"], add_eos=True) == [[tok.convert_tokens_to_ids("5"), tok.convert_tokens_to_ids("8"), eos]]
+    assert common.tokenize(tok, ["58"], add_eos=True) == [
+        [tok.convert_tokens_to_ids("5"), tok.convert_tokens_to_ids("8"), eos]
+    ]
     assert common.tokenize(tok, ["58<eos>"], add_eos=True)[0].count(eos) == 1
     assert common.tokenize(tok, ["12345", "1"], max_length=2, left_truncate=True) == common.tokenize(tok, ["45", "1"])
     assert common.tokenize(tok, ["12345"], max_length=2) == common.tokenize(tok, ["12"])
@@ -126,11 +131,17 @@ def test_tokenize_matches_the_tokenizer_call_with_and_without_special_tokens():
     from transformers import PreTrainedTokenizerFast
 
     backend = common.build_char_tokenizer().backend_tokenizer
-    backend.post_processor = TemplateProcessing(single="<unk> $A", special_tokens=[("<unk>", backend.token_to_id("<unk>"))])
+    backend.post_processor = TemplateProcessing(
+        single="<unk> $A", special_tokens=[("<unk>", backend.token_to_id("<unk>"))]
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
     texts = ["12+34=", "a b\nc", "5<eos>"]
-    assert common.tokenize(tok, texts) == tok(texts)["input_ids"] and common.tokenize(tok, texts)[0][0] == tok.unk_token_id
-    assert common.tokenize(tok, texts, add_eos=True) == [x + [tok.eos_token_id] * (x[-1] != tok.eos_token_id) for x in tok(texts, add_special_tokens=False)["input_ids"]]
+    assert (
+        common.tokenize(tok, texts) == tok(texts)["input_ids"] and common.tokenize(tok, texts)[0][0] == tok.unk_token_id
+    )
+    assert common.tokenize(tok, texts, add_eos=True) == [
+        x + [tok.eos_token_id] * (x[-1] != tok.eos_token_id) for x in tok(texts, add_special_tokens=False)["input_ids"]
+    ]
 
 
 # ---------------------------------------------------------------- padding and collation
@@ -200,7 +211,11 @@ def test_prompt_rows(tmp_path, chat_tokenizer):
     plain = common.load_rows(write(tmp_path / "g.jsonl", gsm), "train", "prompt", common.build_char_tokenizer())[0]
     assert plain == {"prompt": "How many?\n", "answer": "42", "messages": None}
     chat = common.load_rows(str(tmp_path / "g.jsonl"), "train", "prompt", chat_tokenizer)[0]
-    assert chat == {"prompt": "<user>How many?\n<assistant>", "answer": "42", "messages": [{"role": "user", "content": "How many?"}]}
+    assert chat == {
+        "prompt": "<user>How many?\n<assistant>",
+        "answer": "42",
+        "messages": [{"role": "user", "content": "How many?"}],
+    }
 
 
 def test_preference_explicit_and_implicit_prompt(tmp_path):
@@ -225,13 +240,18 @@ def test_preference_conversational(tmp_path, chat_tokenizer):
 def test_conversational_rows_need_a_chat_template(tmp_path):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     with pytest.raises(common.DataError, match="chat template"):
-        common.load_rows(write(tmp_path / "m.jsonl", [{"messages": msgs}] * 3), "train", "sft", common.build_char_tokenizer())
+        common.load_rows(
+            write(tmp_path / "m.jsonl", [{"messages": msgs}] * 3), "train", "sft", common.build_char_tokenizer()
+        )
 
 
 @pytest.mark.parametrize(
     "kind,row,missing",
-    [("sft", {"prompt": "x", "answer_text": "y"}, "completion"), ("preference", {"prompt": "x", "chosen": "y"}, "rejected"),
-     ("prompt", {"query": "x"}, "prompt")],
+    [
+        ("sft", {"prompt": "x", "answer_text": "y"}, "completion"),
+        ("preference", {"prompt": "x", "chosen": "y"}, "rejected"),
+        ("prompt", {"query": "x"}, "prompt"),
+    ],
 )
 def test_missing_column_is_one_clear_line(tmp_path, kind, row, missing):
     with pytest.raises(common.DataError) as err:
@@ -249,6 +269,7 @@ def test_missing_file_and_empty_split(tmp_path):
         common.load_rows(write(tmp_path / "few.jsonl", [{"prompt": "a", "completion": "b"}] * 3), "test", "sft")
 
 
+@pytest.mark.slow
 def test_cli_bad_dataset_exits_2_with_one_line(tmp_path):
     path = write(tmp_path / "bad.jsonl", [{"question_text": "x"}] * 3)
     proc = run_script("sft.py", "--dataset", path, "--steps", "1", cwd=tmp_path, check=False)

@@ -7,18 +7,31 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT, read_metrics, run_script, script_args
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-from conftest import ROOT, read_metrics, run_script, script_args
 
 
 def torchrun(script: str, *args: str, cwd):
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / script), *script_args(script, args)],
-        cwd=cwd, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / script),
+            *script_args(script, args),
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    assert proc.returncode == 0, f"{script} under torchrun exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"{script} under torchrun exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -46,10 +59,24 @@ def sft_dir(sft_run):
 EQUIVALENT = {  # 6 steps of each at a learning rate that moves the weights
     "sft.py": ["--steps", "6", "--lr", "3e-3", "--eval-every", "1000", "--eval-size", "8"],
     # the fixed pairs: pairs sampled from π_ref depend on how the prompts are split over processes
-    "dpo.py": ["--model", "{sft}", "--steps", "6", "--lr", "1e-3", "--eval-every", "1000", "--eval-size", "8", "--sample-pairs", "0"],
+    "dpo.py": [
+        "--model",
+        "{sft}",
+        "--steps",
+        "6",
+        "--lr",
+        "1e-3",
+        "--eval-every",
+        "1000",
+        "--eval-size",
+        "8",
+        "--sample-pairs",
+        "0",
+    ],
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", list(EQUIVALENT))
 def test_two_processes_and_accumulation_equal_one_big_batch(script, sft_dir, tmp_path):
     # equal to float rounding is an fp32 property: bf16 rounds each split of the batch differently
@@ -58,8 +85,20 @@ def test_two_processes_and_accumulation_equal_one_big_batch(script, sft_dir, tmp
         (tmp_path / name).mkdir()
     run_script(script, *flags, "--batch-size", "16", "--output-dir", "big", "--run-name", "big", cwd=tmp_path / "big")
     # accumulation, with activations recomputed in the backward pass (gradient checkpointing changes no number)
-    run_script(script, *flags, "--batch-size", "8", "--grad-accum-steps", "2", "--gradient-checkpointing", "--output-dir", "acc",
-               "--run-name", "acc", cwd=tmp_path / "acc")
+    run_script(
+        script,
+        *flags,
+        "--batch-size",
+        "8",
+        "--grad-accum-steps",
+        "2",
+        "--gradient-checkpointing",
+        "--output-dir",
+        "acc",
+        "--run-name",
+        "acc",
+        cwd=tmp_path / "acc",
+    )
     torchrun(script, *flags, "--batch-size", "8", "--output-dir", "ddp", "--run-name", "ddp", cwd=tmp_path / "ddp")
     big = weights(tmp_path / "big/big")
     if script == "dpo.py":  # the steps moved the weights well beyond the tolerance below
@@ -69,24 +108,87 @@ def test_two_processes_and_accumulation_equal_one_big_batch(script, sft_dir, tmp
     assert_same_weights(big, weights(tmp_path / "ddp/ddp"))
     assert_one_metrics_file(tmp_path / "ddp", "ddp")
     if script == "sft.py":  # FSDP2 shards the same model and takes the same steps
-        torchrun(script, *flags, "--batch-size", "8", "--fsdp", "--output-dir", "fsdp", "--run-name", "fsdp", cwd=tmp_path / "fsdp")
+        torchrun(
+            script,
+            *flags,
+            "--batch-size",
+            "8",
+            "--fsdp",
+            "--output-dir",
+            "fsdp",
+            "--run-name",
+            "fsdp",
+            cwd=tmp_path / "fsdp",
+        )
         assert_same_weights(big, weights(tmp_path / "fsdp/fsdp"))
         AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp/fsdp")
 
 
 RUNS = [  # script, flags: each completes under torchrun and saves what transformers loads
-    ("reward_model.py", ["--model", "{sft}", "--steps", "3", "--batch-size", "8", "--eval-size", "32", "--sample-prompts", "64", "--fsdp",
-                         "--save-every", "3"]),
-    ("grpo.py", ["--model", "{sft}", "--steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "8", "--loss-type", "dapo"]),
-    ("ppo.py", ["--model", "{sft}", "--reward-model", "{rm}", "--steps", "3", "--prompts-per-step", "8", "--eval-size", "8", "--fsdp", "--save-every", "3"]),
+    (
+        "reward_model.py",
+        [
+            "--model",
+            "{sft}",
+            "--steps",
+            "3",
+            "--batch-size",
+            "8",
+            "--eval-size",
+            "32",
+            "--sample-prompts",
+            "64",
+            "--fsdp",
+            "--save-every",
+            "3",
+        ],
+    ),
+    (
+        "grpo.py",
+        [
+            "--model",
+            "{sft}",
+            "--steps",
+            "3",
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "4",
+            "--eval-size",
+            "8",
+            "--loss-type",
+            "dapo",
+        ],
+    ),
+    (
+        "ppo.py",
+        [
+            "--model",
+            "{sft}",
+            "--reward-model",
+            "{rm}",
+            "--steps",
+            "3",
+            "--prompts-per-step",
+            "8",
+            "--eval-size",
+            "8",
+            "--fsdp",
+            "--save-every",
+            "3",
+        ],
+    ),
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,flags", RUNS, ids=[f"{s}{' fsdp' if '--fsdp' in f else ''}" for s, f in RUNS])
 def test_each_script_runs_under_torchrun(script, flags, sft_dir, tmp_path):
     rm = tmp_path / "rm"
     AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1).save_pretrained(rm)
-    proc = torchrun(script, *[f.format(sft=sft_dir, rm=rm) for f in flags], "--output-dir", "out", "--run-name", "r", cwd=tmp_path)
+    proc = torchrun(
+        script, *[f.format(sft=sft_dir, rm=rm) for f in flags], "--output-dir", "out", "--run-name", "r", cwd=tmp_path
+    )
     assert "× 2" in proc.stdout  # rank 0 reports both processes; the others print nothing
     assert_one_metrics_file(tmp_path, "r")
     cls = AutoModelForSequenceClassification if script == "reward_model.py" else AutoModelForCausalLM

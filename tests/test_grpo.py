@@ -2,17 +2,16 @@
 and end-to-end runs as a user starts them."""
 
 import json
-
 import re
 
 import pytest
 import torch
+from conftest import read_metrics, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
 import common
 import grpo
 import sft
-from conftest import read_metrics, run_script
 
 
 def naive_group_advantages(rewards, G, scale, eps):
@@ -70,7 +69,9 @@ def random_batch(B=4, T=6, seed=0):
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_grpo_loss_matches_naive_loop(loss_type, beta):
     logps, old, ref, adv, mask = random_batch()
-    loss, stats = grpo.grpo_loss(logps, old, ref if beta else None, adv, mask, 0.2, beta, loss_type, max_completion_length=8)
+    loss, stats = grpo.grpo_loss(
+        logps, old, ref if beta else None, adv, mask, 0.2, beta, loss_type, max_completion_length=8
+    )
     assert torch.allclose(loss, naive_grpo_loss(logps, old, ref, adv, mask, 0.2, beta, loss_type, 8), atol=1e-5)
     assert 0 <= stats["clip_fraction"] <= 1 and ("kl" in stats) == (beta != 0)
 
@@ -110,7 +111,11 @@ def test_mu_one_ratio_is_exactly_one():
 def test_completion_mask_ends_at_first_eos_even_when_pad_is_eos():
     eos = 1
     ids = torch.tensor([[5, 6, eos, eos, eos], [5, eos, 7, eos, eos], [5, 6, 7, 8, 9]])
-    assert grpo.completion_mask(ids, torch.tensor([eos])).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert grpo.completion_mask(ids, torch.tensor([eos])).tolist() == [
+        [1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1],
+    ]
 
 
 def test_generation_logprobs_match_forward_pass():
@@ -121,10 +126,19 @@ def test_generation_logprobs_match_forward_pass():
     model = sft.tiny_model(tok, sft.Args()).eval()
     ids, mask = common.pad(common.tokenize(tok, ["1+2=", "123+456=", "77+8="]), tok.pad_token_id, "left")
     out = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, return_dict_in_generate=True, output_logits=True,
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=True,
+        temperature=0.7,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        return_dict_in_generate=True,
+        output_logits=True,
     )
-    completion = out.sequences[:, ids.shape[1]:]
+    completion = out.sequences[:, ids.shape[1] :]
     cmask = grpo.completion_mask(completion, torch.tensor([tok.eos_token_id]))
     gen_logps = grpo.token_logprobs(torch.stack(out.logits, 1) / 0.7, completion)
     with torch.no_grad():
@@ -135,12 +149,17 @@ def test_generation_logprobs_match_forward_pass():
 
 def test_token_logprobs_matches_log_softmax_gather():
     logits, tokens = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
-    assert torch.allclose(grpo.token_logprobs(logits, tokens), logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0], atol=1e-6)
+    assert torch.allclose(
+        grpo.token_logprobs(logits, tokens), logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0], atol=1e-6
+    )
 
 
+@pytest.mark.slow
 def test_grpo_end_to_end_improves_accuracy(sft_run, tmp_path):
     _, model_dir, _ = sft_run
-    run_script("grpo.py", "--model", str(model_dir), "--steps", "60", "--eval-every", "60", "--run-name", "g", cwd=tmp_path)
+    run_script(
+        "grpo.py", "--model", str(model_dir), "--steps", "60", "--eval-every", "60", "--run-name", "g", cwd=tmp_path
+    )
     evals = [m for m in read_metrics(tmp_path, "g") if "eval/accuracy" in m]
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     assert after >= before + 0.04, (before, after)
@@ -149,29 +168,72 @@ def test_grpo_end_to_end_improves_accuracy(sft_run, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "grpo") is not None
 
 
+@pytest.mark.slow
 def test_grpo_gsm8k_format_with_group_16(sft_run, tmp_path):
     """The user's example, at a tiny scale: --model <path> --dataset <GSM8K-format jsonl> --group-size 16."""
     _, model_dir, _ = sft_run
     rows = [{"question": f"{a}+{a}=", "answer": f"{a} plus {a}\n#### {2 * a}"} for a in range(40)]
     (tmp_path / "gsm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_script(
-        "grpo.py", "--model", str(model_dir), "--dataset", str(tmp_path / "gsm.jsonl"), "--group-size", "16",
-        "--prompts-per-step", "4", "--steps", "3", "--eval-every", "3", "--loss-type", "dr_grpo", "--num-iterations", "2",
-        "--run-name", "gsm", cwd=tmp_path,
+        "grpo.py",
+        "--model",
+        str(model_dir),
+        "--dataset",
+        str(tmp_path / "gsm.jsonl"),
+        "--group-size",
+        "16",
+        "--prompts-per-step",
+        "4",
+        "--steps",
+        "3",
+        "--eval-every",
+        "3",
+        "--loss-type",
+        "dr_grpo",
+        "--num-iterations",
+        "2",
+        "--run-name",
+        "gsm",
+        cwd=tmp_path,
     )
     metrics = read_metrics(tmp_path, "gsm")
     assert [m["step"] for m in metrics if "eval/accuracy" in m] == [0, 3]
     assert sum("train/loss" in m for m in metrics) == 3
 
 
+@pytest.mark.slow
 def test_grpo_with_a_reward_model(sft_run, tmp_path):
     _, model_dir, _ = sft_run
     tok = AutoTokenizer.from_pretrained(model_dir)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+    )
     Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
-    run_script("grpo.py", "--model", str(model_dir), "--reward-model", str(tmp_path / "rm"), "--steps", "2",
-               "--eval-every", "2", "--eval-size", "32", "--beta", "0", "--run-name", "rm", cwd=tmp_path)
+    run_script(
+        "grpo.py",
+        "--model",
+        str(model_dir),
+        "--reward-model",
+        str(tmp_path / "rm"),
+        "--steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-size",
+        "32",
+        "--beta",
+        "0",
+        "--run-name",
+        "rm",
+        cwd=tmp_path,
+    )
     metrics = read_metrics(tmp_path, "rm")
     assert "eval/reward" in metrics[0] and "eval/accuracy" in metrics[0]  # arithmetic still has answers
     assert all("train/kl" in m and m["train/kl"] == 0 for m in metrics if "train/loss" in m)
@@ -184,6 +246,18 @@ def test_reward_function_error_names_the_completion(monkeypatch, capsys):
     monkeypatch.setattr(common, "is_correct", broken)
     ids = torch.tensor([[5, 6]])
     with pytest.raises(SystemExit) as exit:
-        grpo.score([{"prompt": "1+1=", "answer": "2"}], ["42"], ids, torch.ones_like(ids), torch.tensor([True]), None, None, grpo.Args())
+        grpo.score(
+            [{"prompt": "1+1=", "answer": "2"}],
+            ["42"],
+            ids,
+            torch.ones_like(ids),
+            torch.tensor([True]),
+            None,
+            None,
+            grpo.Args(),
+        )
     assert exit.value.code == 2  # a user error: one line, no traceback
-    assert re.search(r"^error: the reward function failed on completion '42' \(prompt '1\+1='\).*ZeroDivisionError", capsys.readouterr().err)
+    assert re.search(
+        r"^error: the reward function failed on completion '42' \(prompt '1\+1='\).*ZeroDivisionError",
+        capsys.readouterr().err,
+    )

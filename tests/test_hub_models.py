@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import CHAT_GENERATION, read_metrics, run_script
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
 import common
@@ -14,7 +15,6 @@ import dpo
 import grpo
 import ppo
 import sft
-from conftest import CHAT_GENERATION, read_metrics, run_script
 
 
 def chat_ids(path):
@@ -26,8 +26,13 @@ def test_fixture_is_hub_like(chat_model):
     tok, im_end, endoftext = chat_ids(chat_model)
     model = AutoModelForCausalLM.from_pretrained(chat_model)
     assert tok.eos_token_id == im_end and tok.pad_token_id == endoftext
-    assert model.generation_config.eos_token_id == [im_end, endoftext] and model.generation_config.repetition_penalty == 1.05
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Add 2 and 3."}], tokenize=False, add_generation_prompt=True)
+    assert (
+        model.generation_config.eos_token_id == [im_end, endoftext]
+        and model.generation_config.repetition_penalty == 1.05
+    )
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Add 2 and 3."}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt == "<|im_start|>user\nAdd 2 and 3.<|im_end|>\n<|im_start|>assistant\n"
     assert common.eos_token_ids(tok, model.generation_config) == [im_end, endoftext]
 
@@ -36,8 +41,10 @@ def test_fixture_is_hub_like(chat_model):
 def sampled_logq_and_forward_logps(script, model, tok, temperature):
     """Runs script.generate on three left-padded chat prompts, capturing generate's processed scores:
     returns (log q(sampled token) under those scores, the script's forward_logps of the same tokens, mask)."""
-    texts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
-             for c in ["Add 1 and 2.", "What is 123+456?", "Tom has 7 apples."]]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+        for c in ["Add 1 and 2.", "What is 123+456?", "Tom has 7 apples."]
+    ]
     ids, mask = common.pad(common.tokenize(tok, texts), tok.pad_token_id, "left")
     captured, plain_generate = {}, model.generate
 
@@ -79,9 +86,15 @@ def test_sampling_is_exactly_softmax_over_temperature_whatever_the_model_ships(c
 
     # the check has teeth: generate left with the model's own settings samples from another distribution
     ids, mask = common.pad(common.tokenize(tok, ["What is 123+456?"] * 4), tok.pad_token_id, "left")
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, temperature=0.7, output_scores=True,
-                         return_dict_in_generate=True)
-    completion = out.sequences[:, ids.shape[1]:]
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=12,
+        temperature=0.7,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    completion = out.sequences[:, ids.shape[1] :]
     log_q = torch.stack(out.scores, 1).float().log_softmax(-1).gather(-1, completion[..., None])[..., 0]
     with torch.no_grad():
         fwd = grpo.forward_logps(model, out.sequences, torch.ones_like(out.sequences), completion, 0.7)
@@ -117,7 +130,9 @@ def test_completions_end_at_any_eos_id(chat_model, script):
     completions = torch.tensor([[x, im_end, endoftext, endoftext], [x, y, endoftext, endoftext], [x, y, x, y]])
     model = ScriptedModel(completions)
     eos = torch.tensor([im_end, endoftext])
-    ids, mask, ended = script.generate(model, torch.tensor([[x]] * 3), torch.ones(3, 1, dtype=torch.long), tok, eos, script.Args())
+    ids, mask, ended = script.generate(
+        model, torch.tensor([[x]] * 3), torch.ones(3, 1, dtype=torch.long), tok, eos, script.Args()
+    )
     assert model.eos_seen == [im_end, endoftext]  # generation stops at either
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]  # the EOS itself is a completion token
     assert ended.tolist() == [True, True, False]  # PPO's missing-EOS penalty and GRPO's format bonus read this
@@ -149,7 +164,10 @@ def test_retokenize_for_a_reward_model_with_another_tokenizer(chat_model, char_r
     ids, mask = common.retokenize(rm_tok, rows, ["5", "5"], ended=[True, False], max_prompt_length=512)
     texts = [rm_tok.decode(i[m.bool()]) for i, m in zip(ids, mask)]
     # conversational: rendered with the reward model's own template, completion as the assistant's turn (+ its EOS)
-    assert texts[0] == rm_tok.apply_chat_template(question + [{"role": "assistant", "content": "5"}], tokenize=False) + "<eos>"
+    assert (
+        texts[0]
+        == rm_tok.apply_chat_template(question + [{"role": "assistant", "content": "5"}], tokenize=False) + "<eos>"
+    )
     assert texts[1] == "2+3=5"  # plain text as it is; no EOS where the policy emitted none (cut by the length limit)
 
 
@@ -168,7 +186,9 @@ def run_fails(script, *args, cwd):
 
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
 def test_a_causal_lm_is_refused_as_reward_model(chat_model, tmp_path, script):
-    errors = run_fails(script, "--model", str(chat_model), "--reward-model", str(chat_model), "--steps", "1", cwd=tmp_path)
+    errors = run_fails(
+        script, "--model", str(chat_model), "--reward-model", str(chat_model), "--steps", "1", cwd=tmp_path
+    )
     assert len(errors) == 1 and "is not a reward model" in errors[0] and "score" in errors[0], errors
 
 
@@ -187,8 +207,16 @@ def assistant(text):
 
 
 def gsm8k_file(path):
-    return write_jsonl(path, [{"question": f"Tom has {a} apples and buys {a + 3} more. How many now?",
-                               "answer": f"{a} + {a + 3} = {2 * a + 3}\n#### {2 * a + 3}"} for a in range(40)])
+    return write_jsonl(
+        path,
+        [
+            {
+                "question": f"Tom has {a} apples and buys {a + 3} more. How many now?",
+                "answer": f"{a} + {a + 3} = {2 * a + 3}\n#### {2 * a + 3}",
+            }
+            for a in range(40)
+        ],
+    )
 
 
 def assert_reloads_with_own_generation_config(path):
@@ -198,68 +226,197 @@ def assert_reloads_with_own_generation_config(path):
     assert common.load_tokenizer(path).chat_template is not None
 
 
+@pytest.mark.slow
 def test_sft_on_messages(chat_model, tmp_path):
     rows = [{"messages": user(f"Add {a} and {a + 1}.") + assistant(f"The sum is {2 * a + 1}.")} for a in range(40)]
     data = write_jsonl(tmp_path / "messages.jsonl", rows)
-    run_script("sft.py", "--model", str(chat_model), "--dataset", data, "--steps", "4", "--batch-size", "8", "--lr", "1e-3",
-               "--eval-every", "4", "--run-name", "s", cwd=tmp_path)
+    run_script(
+        "sft.py",
+        "--model",
+        str(chat_model),
+        "--dataset",
+        data,
+        "--steps",
+        "4",
+        "--batch-size",
+        "8",
+        "--lr",
+        "1e-3",
+        "--eval-every",
+        "4",
+        "--run-name",
+        "s",
+        cwd=tmp_path,
+    )
     losses = [m["eval/loss"] for m in read_metrics(tmp_path, "s") if "eval/loss" in m]
     assert len(losses) == 2 and losses[1] < losses[0]
     assert_reloads_with_own_generation_config(tmp_path / "models" / "sft")
 
 
 def preference_file(path):
-    return write_jsonl(path, [{"prompt": user(f"Add {a} and 3."), "chosen": assistant(f"The sum is {a + 3}."),
-                               "rejected": assistant(f"The sum is {a + 4}.")} for a in range(40)])
+    return write_jsonl(
+        path,
+        [
+            {
+                "prompt": user(f"Add {a} and 3."),
+                "chosen": assistant(f"The sum is {a + 3}."),
+                "rejected": assistant(f"The sum is {a + 4}."),
+            }
+            for a in range(40)
+        ],
+    )
 
 
+@pytest.mark.slow
 def test_reward_model_then_ppo_on_conversational_rows(chat_model, tmp_path):
     """reward_model.py on conversational preference rows; PPO then reads its scores on the policy's own ids
     (same tokenizer) with the critic started from it."""
-    run_script("reward_model.py", "--model", str(chat_model), "--dataset", preference_file(tmp_path / "pref.jsonl"), "--steps", "3",
-               "--batch-size", "8", "--eval-every", "3", "--run-name", "rm", cwd=tmp_path)
+    run_script(
+        "reward_model.py",
+        "--model",
+        str(chat_model),
+        "--dataset",
+        preference_file(tmp_path / "pref.jsonl"),
+        "--steps",
+        "3",
+        "--batch-size",
+        "8",
+        "--eval-every",
+        "3",
+        "--run-name",
+        "rm",
+        cwd=tmp_path,
+    )
     rm_dir = tmp_path / "models" / "reward"
     assert AutoModelForSequenceClassification.from_pretrained(rm_dir).config.num_labels == 1
     assert "eval/accuracy" in read_metrics(tmp_path, "rm")[-1]
-    out = run_script("ppo.py", "--model", str(chat_model), "--reward-model", str(rm_dir), "--dataset", gsm8k_file(tmp_path / "gsm.jsonl"),
-                     "--steps", "2", "--prompts-per-step", "8", "--max-new-tokens", "6", "--eval-every", "2", "--eval-size", "8",
-                     "--kl-coef", "0.05", "--run-name", "p", cwd=tmp_path).stdout
+    out = run_script(
+        "ppo.py",
+        "--model",
+        str(chat_model),
+        "--reward-model",
+        str(rm_dir),
+        "--dataset",
+        gsm8k_file(tmp_path / "gsm.jsonl"),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "8",
+        "--max-new-tokens",
+        "6",
+        "--eval-every",
+        "2",
+        "--eval-size",
+        "8",
+        "--kl-coef",
+        "0.05",
+        "--run-name",
+        "p",
+        cwd=tmp_path,
+    ).stdout
     assert "own tokenizer" not in out
     assert "eval/accuracy" in read_metrics(tmp_path, "p")[-1]
     assert_reloads_with_own_generation_config(tmp_path / "models" / "ppo")
 
 
+@pytest.mark.slow
 def test_dpo_on_conversational_rows(chat_model, tmp_path):
-    run_script("dpo.py", "--model", str(chat_model), "--dataset", preference_file(tmp_path / "pref.jsonl"), "--steps", "3",
-               "--batch-size", "8", "--eval-every", "3", "--run-name", "d", cwd=tmp_path)
+    run_script(
+        "dpo.py",
+        "--model",
+        str(chat_model),
+        "--dataset",
+        preference_file(tmp_path / "pref.jsonl"),
+        "--steps",
+        "3",
+        "--batch-size",
+        "8",
+        "--eval-every",
+        "3",
+        "--run-name",
+        "d",
+        cwd=tmp_path,
+    )
     evals = [m for m in read_metrics(tmp_path, "d") if "eval/rewards/accuracies" in m]
     assert [m["step"] for m in evals] == [0, 3]
     assert_reloads_with_own_generation_config(tmp_path / "models" / "dpo")
 
 
+@pytest.mark.slow
 def test_grpo_on_gsm8k_through_the_chat_template(chat_model, char_reward_model, tmp_path):
     """Rule-based rewards, then the reward model with the character tokenizer: completions are decoded and
     re-tokenized with its own tokenizer and template."""
     data = gsm8k_file(tmp_path / "gsm.jsonl")
-    common_args = ["--model", str(chat_model), "--dataset", data, "--group-size", "4", "--prompts-per-step", "4", "--max-new-tokens", "6",
-                   "--steps", "2", "--eval-every", "2", "--eval-size", "8"]
+    common_args = [
+        "--model",
+        str(chat_model),
+        "--dataset",
+        data,
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-size",
+        "8",
+    ]
     run_script("grpo.py", *common_args, "--run-name", "rule", cwd=tmp_path)
     assert "eval/accuracy" in read_metrics(tmp_path, "rule")[-1]
     assert_reloads_with_own_generation_config(tmp_path / "models" / "grpo")
-    out = run_script("grpo.py", *common_args, "--reward-model", str(char_reward_model), "--output-dir", "models/grpo-rm",
-                     "--run-name", "rm", cwd=tmp_path).stdout
+    out = run_script(
+        "grpo.py",
+        *common_args,
+        "--reward-model",
+        str(char_reward_model),
+        "--output-dir",
+        "models/grpo-rm",
+        "--run-name",
+        "rm",
+        cwd=tmp_path,
+    ).stdout
     assert "has its own tokenizer" in out
     train = [m for m in read_metrics(tmp_path, "rm") if "train/reward_std" in m]
     assert len(train) == 2 and all(m["train/reward_std"] > 0 for m in train)  # the reward model tells completions apart
 
 
+@pytest.mark.slow
 def test_ppo_with_a_reward_model_of_another_tokenizer(chat_model, char_reward_model, tmp_path):
-    out = run_script("ppo.py", "--model", str(chat_model), "--reward-model", str(char_reward_model),
-                     "--dataset", gsm8k_file(tmp_path / "gsm.jsonl"), "--steps", "2", "--prompts-per-step", "8", "--max-new-tokens", "6",
-                     "--eval-every", "2", "--eval-size", "8", "--kl-coef", "0.05", "--save-every", "2", "--run-name", "p", cwd=tmp_path).stdout
+    out = run_script(
+        "ppo.py",
+        "--model",
+        str(chat_model),
+        "--reward-model",
+        str(char_reward_model),
+        "--dataset",
+        gsm8k_file(tmp_path / "gsm.jsonl"),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "8",
+        "--max-new-tokens",
+        "6",
+        "--eval-every",
+        "2",
+        "--eval-size",
+        "8",
+        "--kl-coef",
+        "0.05",
+        "--save-every",
+        "2",
+        "--run-name",
+        "p",
+        cwd=tmp_path,
+    ).stdout
     assert "has its own tokenizer" in out and "critic starts from the policy" in out
     metrics = read_metrics(tmp_path, "p")
     assert all(torch.isfinite(torch.tensor(m["train/score"])) for m in metrics if "train/score" in m)
     critic = AutoModelForSequenceClassification.from_pretrained(tmp_path / "models" / "ppo" / "checkpoint-2" / "critic")
-    assert critic.config.vocab_size == common.load_tokenizer(chat_model).vocab_size  # the critic reads the policy's tokens
+    assert (
+        critic.config.vocab_size == common.load_tokenizer(chat_model).vocab_size
+    )  # the critic reads the policy's tokens
     assert_reloads_with_own_generation_config(tmp_path / "models" / "ppo")

@@ -24,9 +24,15 @@ def batch_with_every_eos(tok):
 def full_logits_logps(model, batch, temperature):
     """The reference: every position's logits, then log_softmax(logits / T) at the completion tokens."""
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids).logits
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids
+    ).logits
     T = batch["completion_ids"].shape[1]
-    return (logits[:, -T - 1 : -1].float() / temperature).log_softmax(-1).gather(-1, batch["completion_ids"][..., None])[..., 0]
+    return (
+        (logits[:, -T - 1 : -1].float() / temperature)
+        .log_softmax(-1)
+        .gather(-1, batch["completion_ids"][..., None])[..., 0]
+    )
 
 
 def chunked_logps(script, model, batch, temperature):

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from conftest import read_metrics, run_script
 from transformers import AutoModelForCausalLM
 
 import ppo
-from conftest import read_metrics, run_script
 
 
 def random_rollout(B=5, T=7, seed=0):
@@ -73,7 +73,9 @@ def test_policy_and_value_losses_match_naive():
                 v, vo, r = values[b, t].item(), old_values[b, t].item(), returns[b, t].item()
                 vc = vo + min(max(v - vo, -0.2), 0.2)
                 naive.append(max((v - r) ** 2, (vc - r) ** 2))
-    assert ppo.ppo_value_loss(values, old_values, returns, mask, 0.2).item() == pytest.approx(0.5 * sum(naive) / len(naive), abs=1e-5)
+    assert ppo.ppo_value_loss(values, old_values, returns, mask, 0.2).item() == pytest.approx(
+        0.5 * sum(naive) / len(naive), abs=1e-5
+    )
 
 
 def test_clipped_policy_loss_has_no_gradient_outside_the_trust_region():
@@ -83,30 +85,53 @@ def test_clipped_policy_loss_has_no_gradient_outside_the_trust_region():
     assert torch.equal(logps.grad, torch.zeros(1, 2)) and stats["clip_fraction"] == 1
 
 
+@pytest.mark.slow
 def test_ppo_end_to_end(sft_run, reward_run, tmp_path):
     """PPO against the session reward model raises held-out accuracy and its score, with the KL to the
     reference logged and bounded."""
     _, model_dir, _ = sft_run
-    run_script("ppo.py", "--model", str(model_dir), "--reward-model", str(reward_run[1]), "--steps", "50", "--eval-every", "50",
-               "--run-name", "p", cwd=tmp_path)
+    run_script(
+        "ppo.py",
+        "--model",
+        str(model_dir),
+        "--reward-model",
+        str(reward_run[1]),
+        "--steps",
+        "50",
+        "--eval-every",
+        "50",
+        "--run-name",
+        "p",
+        cwd=tmp_path,
+    )
     metrics = read_metrics(tmp_path, "p")
     evals = [m for m in metrics if "eval/score" in m]
     assert evals[-1]["eval/score"] > evals[0]["eval/score"]
     assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.03, evals
     train = [m for m in metrics if "train/kl" in m]
     assert all(-0.05 < m["train/kl"] < 2 for m in train)  # a sampled estimate: ~0 at the start
-    for key in ["train/score", "train/rlhf_reward", "train/clip_fraction", "train/approx_kl", "train/value_loss",
-                "train/value_clip_fraction", "train/explained_variance", "train/frac_with_eos"]:
+    for key in [
+        "train/score",
+        "train/rlhf_reward",
+        "train/clip_fraction",
+        "train/approx_kl",
+        "train/value_loss",
+        "train/value_clip_fraction",
+        "train/explained_variance",
+        "train/frac_with_eos",
+    ]:
         assert key in train[-1], key
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "ppo") is not None
 
 
+@pytest.mark.slow
 def test_ppo_without_a_reward_model_says_which_command_makes_it(sft_run, tmp_path):
     _, model_dir, _ = sft_run
     proc = run_script("ppo.py", "--model", str(model_dir), cwd=tmp_path, check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr and "python reward_model.py" in proc.stderr
 
 
+@pytest.mark.slow
 def test_grad_accumulation_takes_the_same_steps(sft_run, tmp_path):
     """Each minibatch in 2 micro-batches (token-weighted) gives the same update as in one piece."""
     from safetensors.torch import load_file
@@ -114,10 +139,35 @@ def test_grad_accumulation_takes_the_same_steps(sft_run, tmp_path):
 
     _, model_dir, _ = sft_run
     AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1).save_pretrained(tmp_path / "rm")
-    flags = ["--model", str(model_dir), "--reward-model", str(tmp_path / "rm"), "--steps", "3", "--prompts-per-step", "16",
-             "--lr", "1e-3", "--eval-every", "100", "--eval-size", "8", "--no-bf16"]  # equal to rounding: fp32
+    flags = [
+        "--model",
+        str(model_dir),
+        "--reward-model",
+        str(tmp_path / "rm"),
+        "--steps",
+        "3",
+        "--prompts-per-step",
+        "16",
+        "--lr",
+        "1e-3",
+        "--eval-every",
+        "100",
+        "--eval-size",
+        "8",
+        "--no-bf16",
+    ]  # equal to rounding: fp32
     for accum in ("1", "2"):
-        run_script("ppo.py", *flags, "--grad-accum-steps", accum, "--output-dir", f"ppo{accum}", "--run-name", accum, cwd=tmp_path)
+        run_script(
+            "ppo.py",
+            *flags,
+            "--grad-accum-steps",
+            accum,
+            "--output-dir",
+            f"ppo{accum}",
+            "--run-name",
+            accum,
+            cwd=tmp_path,
+        )
     one, two = load_file(tmp_path / "ppo1/model.safetensors"), load_file(tmp_path / "ppo2/model.safetensors")
     start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3  # the steps moved the policy

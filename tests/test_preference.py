@@ -7,20 +7,30 @@ import os
 
 import pytest
 import torch
+from conftest import RM_TEST_ARGS, read_metrics, run_script
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import common
 import dpo
 import reward_model
-from conftest import RM_TEST_ARGS, read_metrics, run_script
 
 
 # ---------------------------------------------------------------- math
 def test_bradley_terry_loss_matches_naive():
-    chosen, rejected, margin = torch.tensor([2.0, -1.0, 30.0]), torch.tensor([1.0, 0.5, -30.0]), torch.tensor([0.5, 0.0, 1.0])
-    naive = [-math.log(1 / (1 + math.exp(-(c - r - m)))) for c, r, m in zip(chosen.tolist(), rejected.tolist(), margin.tolist())]
+    chosen, rejected, margin = (
+        torch.tensor([2.0, -1.0, 30.0]),
+        torch.tensor([1.0, 0.5, -30.0]),
+        torch.tensor([0.5, 0.0, 1.0]),
+    )
+    naive = [
+        -math.log(1 / (1 + math.exp(-(c - r - m))))
+        for c, r, m in zip(chosen.tolist(), rejected.tolist(), margin.tolist())
+    ]
     assert torch.allclose(reward_model.bradley_terry_loss(chosen, rejected, margin), torch.tensor(naive), atol=1e-6)
-    assert torch.allclose(reward_model.bradley_terry_loss(chosen, rejected), reward_model.bradley_terry_loss(chosen, rejected, torch.zeros(3)))
+    assert torch.allclose(
+        reward_model.bradley_terry_loss(chosen, rejected),
+        reward_model.bradley_terry_loss(chosen, rejected, torch.zeros(3)),
+    )
     # stable far in the tails, where log(sigmoid()) would give inf
     assert torch.isfinite(reward_model.bradley_terry_loss(torch.tensor([-200.0]), torch.tensor([200.0]))).all()
 
@@ -63,14 +73,20 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected():
 
 def test_dpo_token_logprobs_matches_log_softmax_gather():
     logits, tokens = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
-    assert torch.allclose(dpo.token_logprobs(logits, tokens), logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0], atol=1e-6)
+    assert torch.allclose(
+        dpo.token_logprobs(logits, tokens), logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0], atol=1e-6
+    )
 
 
+@pytest.mark.slow
 def test_reward_scores_read_at_the_last_real_token(sft_run):
     _, model_dir, _ = sft_run
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = reward_model.load_reward_model(str(model_dir), False).eval()
-    rows = [{"prompt": "1+2=", "chosen": "3", "rejected": "4"}, {"prompt": "123+456=", "chosen": "579", "rejected": "589"}]
+    rows = [
+        {"prompt": "1+2=", "chosen": "3", "rejected": "4"},
+        {"prompt": "123+456=", "chosen": "579", "rejected": "589"},
+    ]
     prompts = common.tokenize(tok, [r["prompt"] for r in rows])
     batch = reward_model.pair_batch(prompts, rows, tok, 64, "cpu")
     scores = reward_model.reward_scores(model, batch["input_ids"], batch["attention_mask"])
@@ -80,6 +96,7 @@ def test_reward_scores_read_at_the_last_real_token(sft_run):
 
 
 # ---------------------------------------------------------------- end to end
+@pytest.mark.slow
 def test_reward_model_end_to_end(reward_run):
     _, reward_dir, metrics, out = reward_run
     assert "for each of 5000 train and 500 held-out prompts" in out  # pairs of the SFT model's own samples
@@ -87,15 +104,22 @@ def test_reward_model_end_to_end(reward_run):
     assert evals[-1]["eval/accuracy"] >= 0.65 and evals[-1]["eval/accuracy"] > evals[0]["eval/accuracy"] + 0.12, evals
     lr = [m["train/lr"] for m in metrics if "train/lr" in m]  # warm-up (20 steps) to 3e-4, then linearly down to 0
     steps = int(RM_TEST_ARGS[RM_TEST_ARGS.index("--steps") + 1])
-    assert lr[0] < lr[19] == pytest.approx(3e-4) and lr[300] == pytest.approx(3e-4 * (steps - 301) / (steps - 20)) and lr[-1] == 0.0, lr[:3] + lr[-3:]
+    assert (
+        lr[0] < lr[19] == pytest.approx(3e-4)
+        and lr[300] == pytest.approx(3e-4 * (steps - 301) / (steps - 20))
+        and lr[-1] == 0.0
+    ), lr[:3] + lr[-3:]
     saved = AutoModelForSequenceClassification.from_pretrained(reward_dir)
     assert saved.config.num_labels == 1 and hasattr(saved.config, "reward_offset")
 
 
+@pytest.mark.slow
 def test_dpo_end_to_end_raises_greedy_accuracy(sft_run, tmp_path):
     """Pairs sampled from π_ref (the default on the built-in task) raise held-out greedy accuracy."""
     _, model_dir, _ = sft_run
-    out = run_script("dpo.py", "--model", str(model_dir), "--steps", "100", "--eval-every", "100", "--run-name", "d", cwd=tmp_path).stdout
+    out = run_script(
+        "dpo.py", "--model", str(model_dir), "--steps", "100", "--eval-every", "100", "--run-name", "d", cwd=tmp_path
+    ).stdout
     assert "prompts had a right and a wrong one" in out
     metrics = read_metrics(tmp_path, "d")
     evals = [m for m in metrics if "eval/accuracy" in m]
@@ -108,15 +132,43 @@ def test_dpo_end_to_end_raises_greedy_accuracy(sft_run, tmp_path):
     bf16 = bool(os.environ.get("TEST_SCRIPTS_BF16"))
     assert train[0]["train/loss"] == pytest.approx(math.log(2), abs=0.05 if bf16 else 1e-5)
     assert sum(m["train/rewards/margins"] for m in train[-10:]) > 0
-    for key in ["train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins", "train/rewards/accuracies", "train/logps/chosen", "train/logps/rejected"]:
+    for key in [
+        "train/loss",
+        "train/rewards/chosen",
+        "train/rewards/rejected",
+        "train/rewards/margins",
+        "train/rewards/accuracies",
+        "train/logps/chosen",
+        "train/logps/rejected",
+    ]:
         assert key in train[0], key
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "dpo") is not None
     # RPO (--rpo-alpha): the chosen answers' NLL is added, so their log-probs end higher than with DPO alone
     # (same fixed pairs, 30 steps at lr 1e-4)
     chosen = {}
     for alpha in ["0", "1.0"]:
-        run_script("dpo.py", "--model", str(model_dir), "--sample-pairs", "0", "--steps", "30", "--lr", "1e-4", "--eval-every", "1000",
-                   "--eval-size", "16", "--rpo-alpha", alpha, "--run-name", f"rpo{alpha}", "--output-dir", f"models/rpo{alpha}", cwd=tmp_path)
+        run_script(
+            "dpo.py",
+            "--model",
+            str(model_dir),
+            "--sample-pairs",
+            "0",
+            "--steps",
+            "30",
+            "--lr",
+            "1e-4",
+            "--eval-every",
+            "1000",
+            "--eval-size",
+            "16",
+            "--rpo-alpha",
+            alpha,
+            "--run-name",
+            f"rpo{alpha}",
+            "--output-dir",
+            f"models/rpo{alpha}",
+            cwd=tmp_path,
+        )
         rows = [m for m in read_metrics(tmp_path, f"rpo{alpha}") if "train/logps/chosen" in m]
         chosen[alpha] = sum(m["train/logps/chosen"] for m in rows[-10:]) / 10
         if alpha == "1.0":
@@ -124,6 +176,7 @@ def test_dpo_end_to_end_raises_greedy_accuracy(sft_run, tmp_path):
     assert chosen["1.0"] > chosen["0"] + 0.02, chosen
 
 
+@pytest.mark.slow
 def test_dpo_sample_pairs_pairs_a_right_with_a_wrong_sample(sft_run):
     _, model_dir, _ = sft_run
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -134,12 +187,15 @@ def test_dpo_sample_pairs_pairs_a_right_with_a_wrong_sample(sft_run):
     answers = {r["prompt"]: r["answer"] for r in rows}
     assert 0 < len(pairs) <= 64
     for p in pairs:
-        assert common.is_correct(p["chosen"], answers[p["prompt"]]) and not common.is_correct(p["rejected"], answers[p["prompt"]])
+        assert common.is_correct(p["chosen"], answers[p["prompt"]]) and not common.is_correct(
+            p["rejected"], answers[p["prompt"]]
+        )
 
 
 CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["explicit", "implicit", "explicit_chat", "implicit_chat"])
 def test_preference_formats_from_files_train(sft_run, tmp_path, form):
     """Every TRL preference form runs through both scripts from a local file."""
@@ -158,9 +214,24 @@ def test_preference_formats_from_files_train(sft_run, tmp_path, form):
         else:
             user = [{"role": "user", "content": q}]
             g, b = [{"role": "assistant", "content": good}], [{"role": "assistant", "content": bad}]
-            rows.append({"prompt": user, "chosen": g, "rejected": b} if form == "explicit_chat" else {"chosen": user + g, "rejected": user + b})
+            rows.append(
+                {"prompt": user, "chosen": g, "rejected": b}
+                if form == "explicit_chat"
+                else {"chosen": user + g, "rejected": user + b}
+            )
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common_args = ["--model", str(tmp_path / "m"), "--dataset", str(tmp_path / "p.jsonl"), "--steps", "3", "--batch-size", "8", "--eval-every", "3"]
+    common_args = [
+        "--model",
+        str(tmp_path / "m"),
+        "--dataset",
+        str(tmp_path / "p.jsonl"),
+        "--steps",
+        "3",
+        "--batch-size",
+        "8",
+        "--eval-every",
+        "3",
+    ]
     run_script("dpo.py", *common_args, "--run-name", "d", cwd=tmp_path)
     run_script("reward_model.py", *common_args, "--run-name", "r", cwd=tmp_path)
     assert [m["step"] for m in read_metrics(tmp_path, "d") if "eval/rewards/accuracies" in m] == [0, 3]

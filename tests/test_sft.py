@@ -4,12 +4,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
+from conftest import ROOT, read_metrics, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 import sft
-from conftest import ROOT, read_metrics, run_script
 
 
 def test_token_logprobs_matches_log_softmax_gather():
@@ -20,7 +21,9 @@ def test_token_logprobs_matches_log_softmax_gather():
     # bf16 logits are promoted to fp32 before the log-softmax
     out = sft.token_logprobs(logits.bfloat16(), tokens)
     assert out.dtype == torch.float32
-    assert torch.allclose(out, logits.bfloat16().float().log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1), atol=1e-5)
+    assert torch.allclose(
+        out, logits.bfloat16().float().log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1), atol=1e-5
+    )
 
 
 def test_sft_loss_is_the_token_mean_over_completion_tokens():
@@ -40,8 +43,11 @@ def test_left_padding_does_not_change_logprobs():
     assert torch.allclose(batched[0, :2], alone[0], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_help_documents_every_flag():
-    out = subprocess.run([sys.executable, str(ROOT / "sft.py"), "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "sft.py"), "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for name in sft.Args.__dataclass_fields__:
         flag = "--" + name.replace("_", "-")
         assert flag in out, flag
@@ -55,6 +61,7 @@ def teachers_level() -> float:
     return sum(not common.carries_into_hundreds(a, b) for a, b in pairs) / len(pairs)
 
 
+@pytest.mark.slow
 def test_sft_end_to_end_learns_the_teacher_and_saves(sft_run):
     _, model_dir, metrics = sft_run
     evals = [m for m in metrics if "eval/accuracy" in m]
@@ -66,28 +73,35 @@ def test_sft_end_to_end_learns_the_teacher_and_saves(sft_run):
     assert (model_dir / "model.safetensors").exists() and not list(model_dir.glob("*.bin"))
 
 
+@pytest.mark.slow
 def test_saved_model_reloads_and_generates(sft_run):
     _, model_dir, _ = sft_run
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     ids = tok(["210+430="], return_tensors="pt")  # 12+34, little-endian
     out = model.generate(**ids, max_new_tokens=6, do_sample=False)
-    text = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert text == "6400", text  # 46: no carry, so the teacher never slips here
 
 
+@pytest.mark.slow
 def test_sft_in_cpu_bf16_with_another_seed_lands_where_fp32_does(sft_run, tmp_path):
     """bf16 autocast on the CPU (the GPU's numerics) and seed 2 reach the same level as the session model
     (fp32, seed 1): the teacher's, set by the data rather than by where training happens to stop."""
-    out = run_script("sft.py", "--bf16", "--seed", "2", "--eval-every", "1500", "--run-name", "bf16", cwd=tmp_path).stdout
+    out = run_script(
+        "sft.py", "--bf16", "--seed", "2", "--eval-every", "1500", "--run-name", "bf16", cwd=tmp_path
+    ).stdout
     assert "bf16 autocast" in out
     bf16 = [m["eval/accuracy"] for m in read_metrics(tmp_path, "bf16") if "eval/accuracy" in m][-1]
     fp32 = [m["eval/accuracy"] for m in sft_run[2] if "eval/accuracy" in m][-1]
     assert abs(bf16 - teachers_level()) < 0.06 and abs(bf16 - fp32) < 0.06, (bf16, fp32, teachers_level())
 
 
+@pytest.mark.slow
 def test_track_writes_an_offline_wandb_run(tmp_path):
-    run_script("sft.py", "--steps", "2", "--eval-every", "2", "--eval-size", "16", "--track", "--run-name", "wb", cwd=tmp_path)
+    run_script(
+        "sft.py", "--steps", "2", "--eval-every", "2", "--eval-size", "16", "--track", "--run-name", "wb", cwd=tmp_path
+    )
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     data = list(runs[0].glob("*.wandb"))
@@ -95,6 +109,7 @@ def test_track_writes_an_offline_wandb_run(tmp_path):
     assert [m["step"] for m in read_metrics(tmp_path, "wb") if "eval/loss" in m] == [0, 2]
 
 
+@pytest.mark.slow
 def test_sft_any_model_on_a_conversational_dataset(tmp_path, sft_run):
     """--model <path> --dataset <file>: a pretrained model, chat-templated rows, no answers (loss only)."""
     _, model_dir, _ = sft_run
@@ -102,12 +117,32 @@ def test_sft_any_model_on_a_conversational_dataset(tmp_path, sft_run):
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'user' %}={% endif %}{% endfor %}"
     tok.save_pretrained(tmp_path / "chat_model")
     AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(tmp_path / "chat_model")
-    rows = [{"messages": [{"role": "user", "content": f"{a}*2"}, {"role": "assistant", "content": str(2 * a)}]} for a in range(200)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"{a}*2"}, {"role": "assistant", "content": str(2 * a)}]}
+        for a in range(200)
+    ]
     (tmp_path / "double.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_script(
-        "sft.py", "--model", str(tmp_path / "chat_model"), "--dataset", str(tmp_path / "double.jsonl"),
-        "--steps", "60", "--batch-size", "32", "--lr", "1e-3", "--warmup-steps", "5", "--eval-every", "60",
-        "--output-dir", "out", "--run-name", "chat", cwd=tmp_path,
+        "sft.py",
+        "--model",
+        str(tmp_path / "chat_model"),
+        "--dataset",
+        str(tmp_path / "double.jsonl"),
+        "--steps",
+        "60",
+        "--batch-size",
+        "32",
+        "--lr",
+        "1e-3",
+        "--warmup-steps",
+        "5",
+        "--eval-every",
+        "60",
+        "--output-dir",
+        "out",
+        "--run-name",
+        "chat",
+        cwd=tmp_path,
     )
     losses = [m["eval/loss"] for m in read_metrics(tmp_path, "chat") if "eval/loss" in m]
     assert "eval/accuracy" not in read_metrics(tmp_path, "chat")[0]
@@ -115,10 +150,27 @@ def test_sft_any_model_on_a_conversational_dataset(tmp_path, sft_run):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out") is not None
 
 
+@pytest.mark.slow
 def test_sft_on_plain_text_rows(tmp_path, sft_run):
     """The `text` format (no prompt): every token of the text is a completion token."""
     _, model_dir, _ = sft_run
     (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": f"{a}+{a}={2 * a}"}) + "\n" for a in range(50)))
-    run_script("sft.py", "--model", str(model_dir), "--dataset", str(tmp_path / "t.jsonl"), "--steps", "2",
-               "--batch-size", "8", "--eval-every", "2", "--output-dir", "out", "--run-name", "txt", cwd=tmp_path)
+    run_script(
+        "sft.py",
+        "--model",
+        str(model_dir),
+        "--dataset",
+        str(tmp_path / "t.jsonl"),
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--eval-every",
+        "2",
+        "--output-dir",
+        "out",
+        "--run-name",
+        "txt",
+        cwd=tmp_path,
+    )
     assert [m["step"] for m in read_metrics(tmp_path, "txt") if "eval/loss" in m] == [0, 2]
