@@ -405,7 +405,8 @@ def main(args: Args):
     elif args.sample_pairs and all(r.get("answer") is not None for r in train_rows[:1000]):
         # On-policy pairs: the fixed pairs' slips are answers π_ref itself rarely gives, so pushing them
         # down barely moves its greedy answers; its own right and wrong samples do (see README).
-        n_prompts = min(len(train_rows), 2 * args.steps * step_rows)  # most prompts give a pair
+        # prompts for twice the pairs the run draws: only those with a right and a wrong sample give one
+        n_prompts = min(len(train_rows), 2 * args.steps * step_rows)
         train_rows = own_pairs(args, run, ref, tokenizer, train_rows[:n_prompts], autocast)
         sampled, t_sample = True, time.time() - t_sample
         print(

@@ -156,13 +156,20 @@ def build_chat_model(path: Path):
 def build_char_reward_model(path: Path):
     """A reward model (sequence classification, one output) with ANOTHER tokenizer than the chat model's:
     the character tokenizer, with a chat template of its own."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
     import common
 
     tokenizer = common.build_char_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    tiny_reward_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def tiny_reward_model(tokenizer):
+    """A one-layer sequence-classification model with one output (a random score head) for `tokenizer`."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -175,9 +182,7 @@ def build_char_reward_model(path: Path):
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    Qwen2ForSequenceClassification(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return Qwen2ForSequenceClassification(config)
 
 
 @pytest.fixture(scope="session")

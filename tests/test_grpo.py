@@ -6,8 +6,8 @@ import re
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+from conftest import read_metrics, run_script, tiny_reward_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 import grpo
@@ -204,18 +204,7 @@ def test_grpo_gsm8k_format_with_group_16(sft_run, tmp_path):
 @pytest.mark.slow
 def test_grpo_with_a_reward_model(sft_run, tmp_path):
     _, model_dir, _ = sft_run
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    config = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        num_labels=1,
-        pad_token_id=tok.pad_token_id,
-    )
-    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    tiny_reward_model(AutoTokenizer.from_pretrained(model_dir)).save_pretrained(tmp_path / "rm")
     run_script(
         "grpo.py",
         "--model",

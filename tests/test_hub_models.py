@@ -16,6 +16,9 @@ import grpo
 import ppo
 import sft
 
+# a few PPO steps on the GSM8K-style file: enough to run every part of the loop
+TINY_PPO = "--steps 2 --prompts-per-step 8 --max-new-tokens 6 --eval-every 2 --eval-size 8 --kl-coef 0.05".split()
+
 
 def chat_ids(path):
     tok = common.load_tokenizer(path)
@@ -298,18 +301,7 @@ def test_reward_model_then_ppo_on_conversational_rows(chat_model, tmp_path):
         str(rm_dir),
         "--dataset",
         gsm8k_file(tmp_path / "gsm.jsonl"),
-        "--steps",
-        "2",
-        "--prompts-per-step",
-        "8",
-        "--max-new-tokens",
-        "6",
-        "--eval-every",
-        "2",
-        "--eval-size",
-        "8",
-        "--kl-coef",
-        "0.05",
+        *TINY_PPO,
         "--run-name",
         "p",
         cwd=tmp_path,
@@ -394,18 +386,7 @@ def test_ppo_with_a_reward_model_of_another_tokenizer(chat_model, char_reward_mo
         str(char_reward_model),
         "--dataset",
         gsm8k_file(tmp_path / "gsm.jsonl"),
-        "--steps",
-        "2",
-        "--prompts-per-step",
-        "8",
-        "--max-new-tokens",
-        "6",
-        "--eval-every",
-        "2",
-        "--eval-size",
-        "8",
-        "--kl-coef",
-        "0.05",
+        *TINY_PPO,
         "--save-every",
         "2",
         "--run-name",
@@ -416,7 +397,6 @@ def test_ppo_with_a_reward_model_of_another_tokenizer(chat_model, char_reward_mo
     metrics = read_metrics(tmp_path, "p")
     assert all(torch.isfinite(torch.tensor(m["train/score"])) for m in metrics if "train/score" in m)
     critic = AutoModelForSequenceClassification.from_pretrained(tmp_path / "models" / "ppo" / "checkpoint-2" / "critic")
-    assert (
-        critic.config.vocab_size == common.load_tokenizer(chat_model).vocab_size
-    )  # the critic reads the policy's tokens
+    # the critic reads the policy's tokens
+    assert critic.config.vocab_size == common.load_tokenizer(chat_model).vocab_size
     assert_reloads_with_own_generation_config(tmp_path / "models" / "ppo")
