@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -104,6 +105,17 @@ class Args:
     """evaluate greedy completions on the held-out split every this many rounds (and at the end)"""
     eval_size: int = 500
     """held-out prompts used for evaluation"""
+    # LoRA: train low-rank adapters instead of every weight (peft)
+    lora_r: int = 0
+    """r: rank of the adapters on --lora-target-modules (0: full fine-tuning)"""
+    lora_alpha: int = 32
+    """α: an adapter's update B·A is scaled by α/r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input (0, like every dropout here: log-probs must be deterministic)"""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """names of the modules that get adapters (all-linear: every linear layer of the decoder, not the LM head)"""
+    merge_lora: bool = False
+    """with --lora-r: save merged full weights W + (α/r)·B·A in output_dir (the adapter in output_dir/adapter) instead of the adapter alone"""
     # run: precision, processes, logging, checkpoints
     seed: int = 1
     """seed for torch, python and numpy"""
@@ -219,7 +231,14 @@ def grpo_loss(
 def load_model(
     path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs
 ):
-    """A model in fp32 (master weights) with every dropout probability in its config at 0."""
+    """A model in fp32 (master weights) with every dropout probability in its config at 0. A LoRA adapter
+    directory loads as its base model with the adapter merged in."""
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        adapter = PeftConfig.from_pretrained(path)
+        base = load_model(adapter.base_model_name_or_path, trust_remote_code, cls, **kwargs)
+        model = PeftModel.from_pretrained(base, path).merge_and_unload()
+        trained_head = "score" in (adapter.modules_to_save or [])  # a reward model's adapter carries its head
+        return (model, {"missing_keys": [] if trained_head else ["score.weight"]}) if output_loading_info else model
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
@@ -232,6 +251,49 @@ def load_model(
         use_safetensors=True,
         output_loading_info=output_loading_info,
     )
+
+
+def add_lora(model, args: Args, task_type: str = "CAUSAL_LM", checkpoint: str | None = None):
+    """--lora-r > 0: the model's weights W freeze and low-rank adapters train beside them, W + (α/r)·B·A on
+    --lora-target-modules (B = 0 at first: the model starts unchanged); a reward model or critic (SEQ_CLS)
+    also trains its score head in full. On resume the adapter comes from `checkpoint`. With --bf16 the frozen
+    weights are held in bf16, the trainable ones in fp32. --lora-r 0: the model as it is (full fine-tuning)."""
+    if not args.lora_r:
+        return model
+    if os.path.isdir(model.name_or_path):  # the adapter names its base model: an absolute path loads from anywhere
+        model.name_or_path = os.path.abspath(model.name_or_path)
+    if checkpoint:
+        model = PeftModel.from_pretrained(model, checkpoint, is_trainable=True)
+    else:
+        targets = args.lora_target_modules
+        config = LoraConfig(
+            task_type=task_type,
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            target_modules="all-linear" if targets == ("all-linear",) else list(targets),
+        )
+        model = get_peft_model(model, config)
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16 if args.bf16 else torch.float32)
+    return model
+
+
+def unwrap(model):
+    """The transformers model inside a LoRA wrapper (its layers carry the adapter), or the model itself."""
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+@contextlib.contextmanager
+def reference_policy(policy, ref):
+    """π_ref for a block of code: the frozen reference model, or with LoRA (ref None) the policy's own frozen
+    base weights, its adapter switched off: one model in memory instead of two."""
+    if ref is not None:
+        yield ref
+    else:
+        with policy.disable_adapter():
+            yield policy
 
 
 def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
@@ -258,17 +320,19 @@ def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
 
 
 def load_models(args: Args, run: SimpleNamespace):
-    """The tokenizer, π_θ (from the checkpoint on resume), π_ref (the starting policy, frozen; none when β = 0)
-    and r_ϕ with its tokenizer (None: rule-based rewards). Frozen models are held in bf16 with --bf16."""
+    """The tokenizer, π_θ (from the checkpoint on resume), π_ref (the starting policy, frozen; none when β = 0
+    or with LoRA) and r_ϕ with its tokenizer (None: rule-based rewards). Frozen models are held in bf16 with --bf16."""
     check_stage_input(args.model, "models/sft", "sft.py", "--model")
     frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
     ref, reward_model, rm_tokenizer = None, None, None
     try:
         path = args.model
         tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
-        path = run.checkpoint or args.model
-        policy = load_model(path, args.trust_remote_code).to(run.device)
-        if args.beta != 0:
+        path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base, then its adapter
+        policy = load_model(path, args.trust_remote_code)
+        path = run.checkpoint or path
+        policy = add_lora(policy, args, checkpoint=run.checkpoint).to(run.device)
+        if args.beta != 0 and not args.lora_r:  # LoRA: π_ref is the policy with its adapter switched off
             path = args.model
             ref = load_model(path, args.trust_remote_code) if run.checkpoint else copy.deepcopy(policy)
             ref.to(run.device, frozen_dtype).requires_grad_(False).eval()
@@ -308,6 +372,7 @@ def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False
     samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
     generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
     call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
+    model = unwrap(model)  # LoRA: generate() reads the inner model's generation_config
     own = model.generation_config
     model.generation_config = GenerationConfig(
         **settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {})
@@ -430,7 +495,8 @@ def main(args: Args):
         )
 
     # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=True)
     schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
     # the same order in every process
     batches = common.shuffled_batches(len(train_rows), args.prompts_per_step * run.world, args.seed)
@@ -473,8 +539,11 @@ def main(args: Args):
         # 3. reference (and, for μ > 1, old) log-probs: once per batch, without gradients
         micro = [slice(i, i + args.micro_batch_size) for i in range(0, len(input_ids), args.micro_batch_size)]
         rollout = [(input_ids[s], attention_mask[s], completion_ids[s]) for s in micro]
+        ref_logps = None
+        if args.beta != 0:
+            with torch.no_grad(), autocast, reference_policy(policy, ref) as pi_ref:
+                ref_logps = [forward_logps(pi_ref, *r, args.temperature) for r in rollout]
         with torch.no_grad(), autocast:
-            ref_logps = [forward_logps(ref, *r, args.temperature) for r in rollout] if ref else None
             old_logps = (
                 [forward_logps(policy, *r, args.temperature) for r in rollout] if args.num_iterations > 1 else None
             )
@@ -565,7 +634,8 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
 def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
     """Opens the metrics file (and wandb with --track). On --resume, puts back the optimiser, the schedule,
     the data position (the batches already drawn) and each process's RNG. From here on a signal finishes
-    the step, saves a checkpoint and exits 0. Returns the first step to run."""
+    the step, saves a checkpoint and exits 0. Prints (and logs at step 0) the trainable parameter count.
+    Returns the first step to run."""
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
@@ -591,6 +661,11 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
             resume="allow",
         )
     on_stop_signal(run.stop)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%)")
+    if not run.state:
+        log(run, {"train/trainable_parameters": trainable, "train/parameters": total}, 0)
     return run.state["step"] + 1 if run.state else 1
 
 
@@ -744,21 +819,29 @@ def save_model(model, tokenizer, path: str, args: Args):
 
 def save_final_model(model, tokenizer, args: Args):
     """The trained model in output_dir, written like a checkpoint: to output_dir/final.tmp, then moved over
-    the previous model's files, so a failed write (disk full) leaves the previous model whole."""
+    the previous model's files, so a failed write (disk full) leaves the previous model whole. With LoRA: the
+    adapter (PeftModel.from_pretrained loads it onto its base), or with --merge-lora the merged full weights
+    and the adapter in output_dir/adapter."""
     tmp = os.path.join(args.output_dir, "final.tmp")
     main_process = not dist.is_initialized() or dist.get_rank() == 0
     try:
         if main_process:
             shutil.rmtree(tmp, ignore_errors=True)
+        if args.merge_lora and isinstance(model, PeftModel):
+            save_model(model, tokenizer, os.path.join(tmp, "adapter"), args)
+            model = model.merge_and_unload()  # W ← W + (α/r)·B·A in every adapted layer: a plain transformers model
         save_model(model, tokenizer, tmp, args)
         if main_process:
             new = os.listdir(tmp)
-            for name in set(os.listdir(args.output_dir)) - set(
-                new
-            ):  # the previous model's files that the new one lacks
-                if os.path.isfile(os.path.join(args.output_dir, name)):
-                    os.remove(os.path.join(args.output_dir, name))
+            for name in set(os.listdir(args.output_dir)) - set(new):  # what the previous model had, the new lacks
+                path = os.path.join(args.output_dir, name)
+                if os.path.isfile(path):
+                    os.remove(path)
+                elif name == "adapter":  # a merged LoRA model's
+                    shutil.rmtree(path)
             for name in new:
+                if os.path.isdir(os.path.join(args.output_dir, name)):
+                    shutil.rmtree(os.path.join(args.output_dir, name))
                 os.replace(os.path.join(tmp, name), os.path.join(args.output_dir, name))
             os.rmdir(tmp)
     except Exception as e:
@@ -837,6 +920,7 @@ CAN_CHANGE_ON_RESUME = {
     "gradient_checkpointing",
     "fsdp",
     "trust_remote_code",
+    "merge_lora",
 }
 
 
@@ -926,11 +1010,31 @@ def on_stop_signal(stop: list | None):
 
 
 def check_stage_input(path: str, default: str, script: str, flag: str):
-    """A stage's default input (models/sft, models/reward) exists only once the stage before has run."""
-    if path == default and not os.path.isfile(
-        os.path.join(path, "config.json")
-    ):  # (an interrupted run leaves it empty)
+    """A stage's default input (models/sft, models/reward) exists only once the stage before has run (a model,
+    or a LoRA adapter); an interrupted run leaves it empty."""
+    if path == default and not any(
+        os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")
+    ):
         fail(f"{path} not found: run `python {script}` first (or pass {flag})")
+
+
+def check_lora(args: Args):
+    """LoRA's flags: rank ≥ 0, α > 0, dropout in [0, 1); not with --fsdp; never saved over the model it adapts."""
+    check_ranges(args, ["lora_alpha"], ["lora_r"])
+    if not 0 <= args.lora_dropout < 1:
+        fail(f"--lora-dropout must be in [0, 1) (got {args.lora_dropout})")
+    if not args.lora_r:
+        return
+    if args.fsdp:
+        fail("--lora-r with --fsdp is not supported: under torchrun, LoRA trains with DDP (drop --fsdp)")
+    if not args.model:
+        fail(
+            "--lora-r trains adapters on a pretrained model: pass --model (the tiny from-scratch model trains in full)"
+        )
+    if os.path.abspath(args.output_dir) == os.path.abspath(args.model):
+        fail(
+            f"--output-dir {args.output_dir} is the model being adapted, which its adapter needs; pass another --output-dir"
+        )
 
 
 def check_args(args: Args):
@@ -955,6 +1059,7 @@ def check_args(args: Args):
         ],
         ["beta", "format_reward", "seed", "save_every"],
     )
+    check_lora(args)
     if args.group_size < 2:
         fail(f"--group-size must be at least 2: a group of one has no baseline (got {args.group_size})")
 
@@ -995,7 +1100,9 @@ def load_failure(path: str, e: Exception) -> str:
         if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a hub id is `owner/name`
             return f"cannot load model {path!r}: no such file or directory"
         return f"cannot load model {path!r} from the hub: {common.error_reason(e)}"
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+    if os.path.isdir(path) and not any(
+        os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")
+    ):
         return f"cannot load model {path!r}: it is not a model directory (no config.json)"
     for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
         file = os.path.join(path, name)

@@ -99,6 +99,11 @@ FLAG_CASES = [  # script, flags, what the one line says: checked before anything
     ("dpo.py", ["--label-smoothing", "0.7"], "--label-smoothing must be in [0, 0.5)"),
     ("reward_model.py", ["--save-every", "-1"], "--save-every must be 0 or positive"),
     ("reward_model.py", ["--sample-pairs", "1"], "--sample-pairs must be 0 (the fixed pairs) or at least 2"),
+    ("reward_model.py", ["--lora-r", "-1"], "--lora-r must be 0 or positive"),
+    ("ppo.py", ["--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
+    ("grpo.py", ["--model", "m", "--lora-r", "8", "--fsdp"], "--lora-r with --fsdp is not supported"),
+    ("sft.py", ["--lora-r", "8"], "--lora-r trains adapters on a pretrained model: pass --model"),
+    ("dpo.py", ["--model", "m", "--lora-r", "8", "--output-dir", "./m"], "is the model being adapted"),
 ]
 
 

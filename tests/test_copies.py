@@ -13,7 +13,11 @@ COPIES = {
     "generate_exactly": ALL,  # sampling exactly from softmax(logits / T), whatever the model's generation_config says
     "completion_mask": ["grpo", "ppo"],
     "generate": ["grpo", "ppo"],
-    "load_model": ["grpo", "ppo"],
+    "load_model": ALL,  # a LoRA adapter directory loads as its base with the adapter merged in
+    "add_lora": ALL,
+    "unwrap": ALL,
+    "reference_policy": ["dpo", "grpo", "ppo"],  # with LoRA, π_ref is the policy with its adapter off
+    "check_lora": ALL,
     "load_reward_model": ["grpo", "ppo"],
     "start_run": ALL,  # the infrastructure section: every script's
     "begin_training": ALL,

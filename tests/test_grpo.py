@@ -224,7 +224,8 @@ def test_grpo_with_a_reward_model(sft_run, tmp_path):
         cwd=tmp_path,
     )
     metrics = read_metrics(tmp_path, "rm")
-    assert "eval/reward" in metrics[0] and "eval/accuracy" in metrics[0]  # arithmetic still has answers
+    evals = [m for m in metrics if "eval/reward" in m]
+    assert evals and "eval/accuracy" in evals[0]  # arithmetic still has answers
     assert all("train/kl" in m and m["train/kl"] == 0 for m in metrics if "train/loss" in m)
 
 

@@ -82,7 +82,7 @@ def test_dpo_token_logprobs_matches_log_softmax_gather():
 def test_reward_scores_read_at_the_last_real_token(sft_run):
     _, model_dir, _ = sft_run
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = reward_model.load_reward_model(str(model_dir), False).eval()
+    model = reward_model.load_model(str(model_dir), False, AutoModelForSequenceClassification, num_labels=1).eval()
     rows = [
         {"prompt": "1+2=", "chosen": "3", "rejected": "4"},
         {"prompt": "123+456=", "chosen": "579", "rejected": "589"},
@@ -235,5 +235,5 @@ def test_preference_formats_from_files_train(sft_run, tmp_path, form):
     run_script("dpo.py", *common_args, "--run-name", "d", cwd=tmp_path)
     run_script("reward_model.py", *common_args, "--run-name", "r", cwd=tmp_path)
     assert [m["step"] for m in read_metrics(tmp_path, "d") if "eval/rewards/accuracies" in m] == [0, 3]
-    assert "eval/accuracy" not in read_metrics(tmp_path, "d")[0]  # no answers in this data
+    assert not any("eval/accuracy" in m for m in read_metrics(tmp_path, "d"))  # no answers in this data
     assert [m["step"] for m in read_metrics(tmp_path, "r") if "eval/accuracy" in m] == [0, 3]

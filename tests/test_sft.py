@@ -145,7 +145,7 @@ def test_sft_any_model_on_a_conversational_dataset(tmp_path, sft_run):
         cwd=tmp_path,
     )
     losses = [m["eval/loss"] for m in read_metrics(tmp_path, "chat") if "eval/loss" in m]
-    assert "eval/accuracy" not in read_metrics(tmp_path, "chat")[0]
+    assert not any("eval/accuracy" in m for m in read_metrics(tmp_path, "chat"))
     assert losses[-1] < losses[0] * 0.7, losses
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out") is not None
 
