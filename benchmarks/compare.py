@@ -11,6 +11,7 @@ to benchmarks/compare.png.
     pip install -r benchmarks/requirements.txt
     python benchmarks/compare.py --seeds 1 2 3
     python benchmarks/compare.py --seeds 1 2 3 --bf16     # every stage in bf16 autocast (the GPU's numerics)
+    python benchmarks/compare.py --seeds 1 2 3 --lora-r 8  # PPO, DPO and GRPO also with LoRA adapters, side by side
 """
 
 import json
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 import transformers
 import tyro
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -41,6 +42,14 @@ METHODS = {  # what each method holds in memory while it trains (from the script
     "more_sft": "1: policy",
 }
 LABELS = {"ppo": "PPO", "dpo": "DPO", "grpo": "GRPO", "more_sft": "more SFT (control)"}
+LORA = {  # with --lora-r: what each method holds as <method>_lora, and its learning rate (adapters want ~10× more)
+    "ppo": (
+        "3: policy (π_ref: its adapter off), reward model, critic (adapter + value head on a copy of the base)",
+        "2e-4",
+    ),
+    "dpo": ("1: policy (π_ref: its adapter off; pairs sampled from it once; its log-probs cached)", "1e-4"),
+    "grpo": ("1: policy (π_ref: its adapter off)", "1e-3"),
+}
 # the control: sft.py continued from models/sft with DPO's default steps, batch and learning rate
 CONTROL = [
     "--model",
@@ -74,6 +83,9 @@ class Args:
     """held-out evaluation interval passed to the alignment stages (points on the plot)"""
     quick: bool = False
     """a few steps of each stage (for tests): the numbers mean nothing"""
+    lora_r: int = 0
+    """> 0: PPO, DPO and GRPO also run with LoRA adapters of this rank (LORA's learning rates, merged on save),
+    side by side with full fine-tuning in one table (section compare_lora)"""
 
 
 def run(script: str, flags: list[str], cwd: Path) -> dict:
@@ -131,16 +143,6 @@ def kl_to_reference(policy_dir: Path, ref_dir: Path, n: int = 500) -> float:
     return ((logps[0] - logps[1]) * cmask).sum(1).mean().item()
 
 
-def trainable_parameters(method: str, cwd: Path) -> int:
-    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(cwd / "models" / method).parameters())
-    if method == "ppo":  # the critic trains too
-        n += sum(
-            p.numel()
-            for p in AutoModelForSequenceClassification.from_pretrained(cwd / "models" / "reward").parameters()
-        )
-    return n
-
-
 QUICK = {  # a few steps of each stage (--quick, for tests); 30 SFT steps answer nothing right, so the fixed pairs
     "sft": ["--steps", "30", "--eval-every", "30", "--eval-size", "32"],
     "reward_model": ["--steps", "5", "--eval-size", "32", "--sample-pairs", "0"],
@@ -152,23 +154,34 @@ QUICK = {  # a few steps of each stage (--quick, for tests); 30 SFT steps answer
 
 
 def stage(name: str, seed: int, cwd: Path, args: Args) -> dict:
+    method = name.removesuffix("_lora")
     flags = [
         "--seed",
         str(seed),
         "--run-name",
         name,
         "--bf16" if args.bf16 else "--no-bf16",
-        *(QUICK[name] if args.quick else []),
+        *(QUICK[method] if args.quick else []),
     ]
-    if name in METHODS:
+    if method in METHODS:
         flags += ["--eval-every", str(args.eval_every)]
     if name == "more_sft":
         flags = CONTROL + flags
+    if name.endswith("_lora"):
+        flags += [
+            "--lora-r",
+            str(args.lora_r),
+            "--lr",
+            LORA[method][1],
+            "--merge-lora",
+            "--output-dir",
+            f"models/{name}",
+        ]
     print(f"seed {seed}: {name}", flush=True)
     shutil.rmtree(
         cwd / "runs" / name, ignore_errors=True
     )  # a rerun starts afresh: metrics.jsonl is appended to (for resumes)
-    result = run("sft.py" if name == "more_sft" else f"{name}.py", flags, cwd)
+    result = run("sft.py" if name == "more_sft" else f"{method}.py", flags, cwd)
     result["rows"] = [json.loads(line) for line in (cwd / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     return result
 
@@ -182,16 +195,16 @@ def pipeline(seed: int, base: dict, args: Args) -> dict:
         if not link.exists():
             link.symlink_to(base["dir"] / "models" / name)
     results = {"sft": base["sft"], "reward_model": base["reward_model"]}
-    for name in METHODS:
+    for name in columns(args):
         results[name] = stage(name, seed, cwd, args)
-    for method in METHODS:
+    for method in columns(args):
         r, rows = results[method], results[method]["rows"]
         evals = [row for row in rows if "eval/accuracy" in row]
         r["curve"] = [(row["time/elapsed_s"], row["eval/accuracy"]) for row in evals]
         r["before"], r["after"] = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
         r["generation_share"] = sum(row.get("train/generation_s", 0.0) for row in rows) / r["wall_s"]
         r["kl"] = kl_to_reference(cwd / "models" / method, cwd / "models" / "sft")
-        r["trainable"] = trainable_parameters(method, cwd)
+        r["trainable"] = rows[0]["train/trainable_parameters"]  # PPO: policy and critic
         del r["rows"]
     return results
 
@@ -218,12 +231,31 @@ def mean_spread(values, fmt="{:.1f}", scale=1.0) -> str:
     return text + (" ± " + fmt.format(values.std(ddof=1)) if len(values) > 1 else "")
 
 
+def columns(args: Args) -> list[str]:
+    """The runs of each seed: every method, each followed by its LoRA run with --lora-r."""
+    lora = [f"{m}_lora" for m in LORA] if args.lora_r else []
+    return sorted([*METHODS, *lora], key=lambda name: list(METHODS).index(name.removesuffix("_lora")))
+
+
+def label(name: str, args: Args) -> str:
+    return f"{LABELS[name[:-5]]} LoRA r={args.lora_r}" if name.endswith("_lora") else LABELS[name]
+
+
+def in_memory(name: str) -> str:
+    return LORA[name[:-5]][0] if name.endswith("_lora") else METHODS[name]
+
+
+def trained(run: dict) -> list[str]:
+    """The alignment runs of one seed's results, in their order (sft and reward_model are shared)."""
+    return [name for name in run if name not in ("sft", "reward_model")]
+
+
 def table(runs: list[dict], args: Args) -> str:
-    columns = list(METHODS)
+    columns = trained(runs[0])
     lines = [
-        "| | " + " | ".join(LABELS[m] for m in columns) + " |",
+        "| | " + " | ".join(label(m, args) for m in columns) + " |",
         "|---|" + "---|" * len(columns),
-        "| models in memory | " + " | ".join(METHODS[m] for m in columns) + " |",
+        "| models in memory | " + " | ".join(in_memory(m) for m in columns) + " |",
         "| trainable parameters | " + " | ".join(f"{runs[0][m]['trainable'] / 1e6:.2f}M" for m in columns) + " |",
         "| peak memory (process RSS, GB) | "
         + " | ".join(mean_spread([r[m]["peak_rss_gb"] for r in runs], "{:.2f}") for m in columns)
@@ -254,14 +286,16 @@ def table(runs: list[dict], args: Args) -> str:
     return "\n".join(lines) + "\n\n" + extra
 
 
-def plot(runs: list[dict], path: str):
+def plot(runs: list[dict], path: str, args: Args):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for method, color in zip(METHODS, ["tab:red", "tab:blue", "tab:green", "tab:gray"]):
+    colors = dict(zip(METHODS, ["tab:red", "tab:blue", "tab:green", "tab:gray"]))
+    for method in trained(runs[0]):
+        color = colors[method.removesuffix("_lora")]
         for k, r in enumerate(runs):
             t, acc = zip(*r[method]["curve"])
             ax.plot(
@@ -271,8 +305,8 @@ def plot(runs: list[dict], path: str):
                 marker="o",
                 markersize=3,
                 alpha=1.0 if k == 0 else 0.35,
-                linestyle="--" if method == "more_sft" else "-",
-                label=LABELS[method] if k == 0 else None,
+                linestyle="--" if method == "more_sft" else ":" if method.endswith("_lora") else "-",
+                label=label(method, args) if k == 0 else None,
             )
     ax.set_xlabel(
         "wall time of the stage (s, 2 CPU cores)" if not torch.cuda.is_available() else "wall time of the stage (s)"
@@ -289,7 +323,8 @@ def plot(runs: list[dict], path: str):
 
 def main(args: Args):
     transformers.utils.logging.disable_progress_bar()
-    plot_path = args.plot or str(ROOT / "benchmarks" / ("compare_bf16.png" if args.bf16 else "compare.png"))
+    section = "compare" + ("_lora" if args.lora_r else "") + ("_bf16" if args.bf16 else "")
+    plot_path = args.plot or str(ROOT / "benchmarks" / f"{section}.png")
     base = base_models(args)
     runs = [pipeline(seed, base, args) for seed in args.seeds]
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores" + (
@@ -298,19 +333,29 @@ def main(args: Args):
     command = (
         f"python benchmarks/compare.py --seeds {' '.join(map(str, args.seeds))} --sft-seed {args.sft_seed}"
         + (" --bf16" if args.bf16 else "")
+        + (f" --lora-r {args.lora_r}" if args.lora_r else "")
         + (" --quick" if args.quick else "")
     )
     text = (
-        f"## PPO vs DPO vs GRPO on the built-in task{', bf16 autocast' if args.bf16 else ', fp32'}\n\n"
+        f"## PPO vs DPO vs GRPO on the built-in task{', full fine-tuning vs LoRA' if args.lora_r else ''}"
+        f"{', bf16 autocast' if args.bf16 else ', fp32'}\n\n"
         f"Measured {time.strftime('%Y-%m-%d')} on {machine} (torch {torch.__version__}); `{command}`: every stage with its "
         f"{'defaults' if not args.quick else 'QUICK test budgets (meaningless numbers)'}; one SFT model and reward model (seed "
         f"{args.sft_seed}), then PPO, DPO, GRPO and the control (`sft.py {' '.join(CONTROL)}`) with seeds {', '.join(map(str, args.seeds))}; held-out evaluation every "
-        f"{args.eval_every} steps. Mean ± standard deviation over seeds. Peak memory is each training process's own maximum resident set.\n\n"
+        f"{args.eval_every} steps. Mean ± standard deviation over seeds. Peak memory is each training process's own maximum resident set."
+        + (
+            f" LoRA: adapters of rank {args.lora_r} on every linear layer, learning rates "
+            + ", ".join(f"{LABELS[m]} {lr}" for m, (_, lr) in LORA.items())
+            + ", otherwise the defaults."
+            if args.lora_r
+            else ""
+        )
+        + "\n\n"
         + table(runs, args)
         + f"\n\n![held-out accuracy against wall time]({Path(plot_path).name})\n"
     )
-    write_section("compare_bf16" if args.bf16 else "compare", text, Path(args.results))
-    plot(runs, plot_path)
+    write_section(section, text, Path(args.results))
+    plot(runs, plot_path, args)
     print(text)
 
 

@@ -84,8 +84,24 @@ def test_results_sections_are_replaced_not_duplicated(tmp_path):
 
 def test_plot_is_written(tmp_path):
     pytest.importorskip("matplotlib", reason="benchmark dependency: pip install -r benchmarks/requirements.txt")
-    compare.plot(fake_runs(), str(tmp_path / "c.png"))
+    runs = fake_runs()
+    for r in runs:
+        r["grpo_lora"] = r["grpo"]
+    compare.plot(runs, str(tmp_path / "c.png"), compare.Args(lora_r=8))
     assert (tmp_path / "c.png").stat().st_size > 10_000
+
+
+def test_lora_columns_follow_their_method_and_say_what_they_hold():
+    args = compare.Args(lora_r=8)
+    assert compare.columns(args) == ["ppo", "ppo_lora", "dpo", "dpo_lora", "grpo", "grpo_lora", "more_sft"]
+    runs = fake_runs()
+    for r in runs:  # the table keeps the runs' own order, with sft and reward_model left out wherever they are
+        r.update({"dpo_lora": dict(r["dpo"], trainable=46_000)})
+    text = compare.table(runs, args)
+    header = text.splitlines()[0]
+    assert header.index("| DPO |") < header.index("| DPO LoRA r=8 |") and "more SFT (control)" in header
+    assert "| trainable parameters | 0.54M | 0.54M | 0.54M | 0.54M | 0.05M |" in text
+    assert "1: policy (π_ref: its adapter off" in text
 
 
 @pytest.mark.slow
