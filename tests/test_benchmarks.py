@@ -106,12 +106,16 @@ def test_lora_columns_follow_their_method_and_say_what_they_hold():
 
 @pytest.mark.slow
 def test_gpu_profile_runs_on_a_tiny_cpu_config(tmp_path):
-    proc = run_script("benchmarks/gpu.py", "--device", "cpu", "--tiny", "--repeats", "1", "--no-write", cwd=tmp_path)
-    for phase in ["generation", "reference log-probs", "policy forward + backward", "optimiser"]:
-        assert f"| {phase} |" in proc.stdout
-    assert (
-        "**GRPO step**" in proc.stdout and "**DPO step**" in proc.stdout and "**DPO, long context step**" in proc.stdout
+    proc = run_script(
+        "benchmarks/gpu.py", "--device", "cpu", "--tiny", "--large", "--repeats", "1", "--no-write", cwd=tmp_path
     )
+    for phase in ["generation", "reference log-probs", "policy forward + backward", "optimiser"]:
+        assert proc.stdout.count(f"| {phase} |") == (1 if phase == "generation" else 3) * 3  # full, LoRA, large LoRA
+    for method in ["GRPO step", "DPO step", "DPO, long context step"]:
+        assert f"**{method}**" in proc.stdout
+        assert f"**{method}, LoRA r=16, tiny test config**" in proc.stdout
+        assert f"**{method}, LoRA r=16, tiny 4-layer config**" in proc.stdout
+    assert "π_ref = adapter off, gradient checkpointing" in proc.stdout
 
 
 @pytest.mark.slow
