@@ -228,63 +228,6 @@ def grpo_loss(
 
 
 # ---------------------------------------------------------------- the method's helpers
-def load_model(
-    path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs
-):
-    """A model in fp32 (master weights) with every dropout probability in its config at 0. A LoRA adapter
-    directory loads as its base model with the adapter merged in."""
-    if os.path.isfile(os.path.join(path, "adapter_config.json")):
-        adapter = PeftConfig.from_pretrained(path)
-        base = load_model(adapter.base_model_name_or_path, trust_remote_code, cls, **kwargs)
-        model = PeftModel.from_pretrained(base, path).merge_and_unload()
-        trained_head = "score" in (adapter.modules_to_save or [])  # a reward model's adapter carries its head
-        return (model, {"missing_keys": [] if trained_head else ["score.weight"]}) if output_loading_info else model
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
-    for key, value in config.to_dict().items():
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(config, key, 0.0)  # dropout off in every model: log-probs must be deterministic
-    return cls.from_pretrained(
-        path,
-        config=config,
-        dtype=torch.float32,
-        trust_remote_code=trust_remote_code,
-        use_safetensors=True,
-        output_loading_info=output_loading_info,
-    )
-
-
-def add_lora(model, args: Args, task_type: str = "CAUSAL_LM", checkpoint: str | None = None):
-    """--lora-r > 0: the model's weights W freeze and low-rank adapters train beside them, W + (α/r)·B·A on
-    --lora-target-modules (B = 0 at first: the model starts unchanged); a reward model or critic (SEQ_CLS)
-    also trains its score head in full. On resume the adapter comes from `checkpoint`. With --bf16 the frozen
-    weights are held in bf16, the trainable ones in fp32. --lora-r 0: the model as it is (full fine-tuning)."""
-    if not args.lora_r:
-        return model
-    if os.path.isdir(model.name_or_path):  # the adapter names its base model: an absolute path loads from anywhere
-        model.name_or_path = os.path.abspath(model.name_or_path)
-    if checkpoint:
-        model = PeftModel.from_pretrained(model, checkpoint, is_trainable=True)
-    else:
-        targets = args.lora_target_modules
-        config = LoraConfig(
-            task_type=task_type,
-            r=args.lora_r,
-            lora_alpha=args.lora_alpha,
-            lora_dropout=args.lora_dropout,
-            target_modules="all-linear" if targets == ("all-linear",) else list(targets),
-        )
-        model = get_peft_model(model, config)
-    for p in model.parameters():
-        if not p.requires_grad:
-            p.data = p.data.to(torch.bfloat16 if args.bf16 else torch.float32)
-    return model
-
-
-def unwrap(model):
-    """The transformers model inside a LoRA wrapper (its layers carry the adapter), or the model itself."""
-    return model.get_base_model() if isinstance(model, PeftModel) else model
-
-
 @contextlib.contextmanager
 def reference_policy(policy, ref):
     """π_ref for a block of code: the frozen reference model, or with LoRA (ref None) the policy's own frozen
@@ -294,55 +237,6 @@ def reference_policy(policy, ref):
     else:
         with policy.disable_adapter():
             yield policy
-
-
-def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
-    """r_ϕ and the tokenizer it reads: None when it is the policy's (the policy's token ids go in as they
-    are), else its own (completions are then decoded and re-tokenized). A model whose checkpoint has no
-    score head (e.g. a causal LM) would score with a random one: refused."""
-    model, info = load_model(
-        path, trust_remote_code, AutoModelForSequenceClassification, output_loading_info=True, num_labels=1
-    )
-    if "score.weight" in info["missing_keys"]:
-        fail(
-            f"{path} is not a reward model: its checkpoint has no score head (score.weight), so it would score with random "
-            "weights; pass a sequence-classification model, e.g. one trained by reward_model.py"
-        )
-    try:
-        own = common.load_tokenizer(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError):
-        print(f"note: {path} has no tokenizer of its own; it reads the policy's token ids")
-        return model, None
-    if common.same_tokenizer(tokenizer, own):
-        return model, None
-    print(f"note: the reward model {path} has its own tokenizer: completions are decoded and re-tokenized for it")
-    return model, own
-
-
-def load_models(args: Args, run: SimpleNamespace):
-    """The tokenizer, π_θ (from the checkpoint on resume), π_ref (the starting policy, frozen; none when β = 0
-    or with LoRA) and r_ϕ with its tokenizer (None: rule-based rewards). Frozen models are held in bf16 with --bf16."""
-    check_stage_input(args.model, "models/sft", "sft.py", "--model")
-    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
-    ref, reward_model, rm_tokenizer = None, None, None
-    try:
-        path = args.model
-        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
-        path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base, then its adapter
-        policy = load_model(path, args.trust_remote_code)
-        path = run.checkpoint or path
-        policy = add_lora(policy, args, checkpoint=run.checkpoint).to(run.device)
-        if args.beta != 0 and not args.lora_r:  # LoRA: π_ref is the policy with its adapter switched off
-            path = args.model
-            ref = load_model(path, args.trust_remote_code) if run.checkpoint else copy.deepcopy(policy)
-            ref.to(run.device, frozen_dtype).requires_grad_(False).eval()
-        if args.reward_model:
-            path = args.reward_model
-            reward_model, rm_tokenizer = load_reward_model(path, tokenizer, args.trust_remote_code)
-            reward_model.to(run.device, frozen_dtype).requires_grad_(False).eval()
-    except Exception as e:
-        fail(load_failure(path, e))
-    return tokenizer, policy, ref, reward_model, rm_tokenizer
 
 
 def forward_logps(model, input_ids, attention_mask, completion_ids, temperature: float) -> torch.Tensor:
@@ -364,23 +258,6 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torc
     """1 up to and including the first EOS (any of eos_ids), 0 after: built from positions, so pad == EOS is harmless."""
     is_eos = torch.isin(completion_ids, torch.as_tensor(eos_ids, device=completion_ids.device)).long()
     return ((is_eos.cumsum(1) - is_eos) == 0).long()
-
-
-@torch.no_grad()
-def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
-    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
-    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
-    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
-    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
-    model = unwrap(model)  # LoRA: generate() reads the inner model's generation_config
-    own = model.generation_config
-    model.generation_config = GenerationConfig(
-        **settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {})
-    )
-    try:
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
-    finally:
-        model.generation_config = own
 
 
 @torch.no_grad()
@@ -595,9 +472,134 @@ def main(args: Args):
 
 
 # ======================================================================================================
-# Infrastructure: torchrun, checkpoints and resume, logging, signals, user errors. Not part of the method:
-# the helpers below are the same in every script (tests/test_copies.py checks it).
+# Infrastructure: loading models and LoRA adapters, torchrun, checkpoints and resume, logging, signals, user
+# errors. Not part of the method: the helpers below that do the same thing in several scripts are textually the
+# same in each (tests/test_copies.py checks it).
 # ======================================================================================================
+# -------------------------------------------------- models: loading, LoRA adapters, sampling settings
+def load_model(
+    path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs
+):
+    """A model in fp32 (master weights) with every dropout probability in its config at 0. A LoRA adapter
+    directory loads as its base model with the adapter merged in."""
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        adapter = PeftConfig.from_pretrained(path)
+        base = load_model(adapter.base_model_name_or_path, trust_remote_code, cls, **kwargs)
+        model = PeftModel.from_pretrained(base, path).merge_and_unload()
+        trained_head = "score" in (adapter.modules_to_save or [])  # a reward model's adapter carries its head
+        return (model, {"missing_keys": [] if trained_head else ["score.weight"]}) if output_loading_info else model
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)  # dropout off in every model: log-probs must be deterministic
+    return cls.from_pretrained(
+        path,
+        config=config,
+        dtype=torch.float32,
+        trust_remote_code=trust_remote_code,
+        use_safetensors=True,
+        output_loading_info=output_loading_info,
+    )
+
+
+def add_lora(model, args: Args, task_type: str = "CAUSAL_LM", checkpoint: str | None = None):
+    """--lora-r > 0: the model's weights W freeze and low-rank adapters train beside them, W + (α/r)·B·A on
+    --lora-target-modules (B = 0 at first: the model starts unchanged); a reward model or critic (SEQ_CLS)
+    also trains its score head in full. On resume the adapter comes from `checkpoint`. With --bf16 the frozen
+    weights are held in bf16, the trainable ones in fp32. --lora-r 0: the model as it is (full fine-tuning)."""
+    if not args.lora_r:
+        return model
+    if os.path.isdir(model.name_or_path):  # the adapter names its base model: an absolute path loads from anywhere
+        model.name_or_path = os.path.abspath(model.name_or_path)
+    if checkpoint:
+        model = PeftModel.from_pretrained(model, checkpoint, is_trainable=True)
+    else:
+        targets = args.lora_target_modules
+        config = LoraConfig(
+            task_type=task_type,
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            target_modules="all-linear" if targets == ("all-linear",) else list(targets),
+        )
+        model = get_peft_model(model, config)
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16 if args.bf16 else torch.float32)
+    return model
+
+
+def unwrap(model):
+    """The transformers model inside a LoRA wrapper (its layers carry the adapter), or the model itself."""
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
+    """r_ϕ and the tokenizer it reads: None when it is the policy's (the policy's token ids go in as they
+    are), else its own (completions are then decoded and re-tokenized). A model whose checkpoint has no
+    score head (e.g. a causal LM) would score with a random one: refused."""
+    model, info = load_model(
+        path, trust_remote_code, AutoModelForSequenceClassification, output_loading_info=True, num_labels=1
+    )
+    if "score.weight" in info["missing_keys"]:
+        fail(
+            f"{path} is not a reward model: its checkpoint has no score head (score.weight), so it would score with random "
+            "weights; pass a sequence-classification model, e.g. one trained by reward_model.py"
+        )
+    try:
+        own = common.load_tokenizer(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        print(f"note: {path} has no tokenizer of its own; it reads the policy's token ids")
+        return model, None
+    if common.same_tokenizer(tokenizer, own):
+        return model, None
+    print(f"note: the reward model {path} has its own tokenizer: completions are decoded and re-tokenized for it")
+    return model, own
+
+
+def load_models(args: Args, run: SimpleNamespace):
+    """The tokenizer, π_θ (from the checkpoint on resume), π_ref (the starting policy, frozen; none when β = 0
+    or with LoRA) and r_ϕ with its tokenizer (None: rule-based rewards). Frozen models are held in bf16 with --bf16."""
+    check_stage_input(args.model, "models/sft", "sft.py", "--model")
+    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    ref, reward_model, rm_tokenizer = None, None, None
+    try:
+        path = args.model
+        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+        path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base, then its adapter
+        policy = load_model(path, args.trust_remote_code)
+        path = run.checkpoint or path
+        policy = add_lora(policy, args, checkpoint=run.checkpoint).to(run.device)
+        if args.beta != 0 and not args.lora_r:  # LoRA: π_ref is the policy with its adapter switched off
+            path = args.model
+            ref = load_model(path, args.trust_remote_code) if run.checkpoint else copy.deepcopy(policy)
+            ref.to(run.device, frozen_dtype).requires_grad_(False).eval()
+        if args.reward_model:
+            path = args.reward_model
+            reward_model, rm_tokenizer = load_reward_model(path, tokenizer, args.trust_remote_code)
+            reward_model.to(run.device, frozen_dtype).requires_grad_(False).eval()
+    except Exception as e:
+        fail(load_failure(path, e))
+    return tokenizer, policy, ref, reward_model, rm_tokenizer
+
+
+@torch.no_grad()
+def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
+    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
+    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
+    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
+    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
+    model = unwrap(model)  # LoRA: generate() reads the inner model's generation_config
+    own = model.generation_config
+    model.generation_config = GenerationConfig(
+        **settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {})
+    )
+    try:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
+    finally:
+        model.generation_config = own
+
+
 def start_run(args: Args, script: str) -> SimpleNamespace:
     """What every run does before the method: a signal now exits at once (nothing to save yet), bad flags
     stop it with one line, --resume finds its checkpoint, the seeds are set and torchrun's processes join.
