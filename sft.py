@@ -31,7 +31,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -363,6 +362,8 @@ def load_model(
     """A model in fp32 (master weights) with every dropout probability in its config at 0. A LoRA adapter
     directory loads as its base model with the adapter merged in."""
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        from peft import PeftConfig, PeftModel  # imported only when LoRA is used: it adds seconds to every start
+
         adapter = PeftConfig.from_pretrained(path)
         base = load_model(adapter.base_model_name_or_path, trust_remote_code, cls, **kwargs)
         model = PeftModel.from_pretrained(base, path).merge_and_unload()
@@ -389,6 +390,8 @@ def add_lora(model, args: Args, task_type: str = "CAUSAL_LM", checkpoint: str | 
     weights are held in bf16, the trainable ones in fp32. --lora-r 0: the model as it is (full fine-tuning)."""
     if not args.lora_r:
         return model
+    from peft import LoraConfig, PeftModel, get_peft_model
+
     if os.path.isdir(model.name_or_path):  # the adapter names its base model: an absolute path loads from anywhere
         model.name_or_path = os.path.abspath(model.name_or_path)
     if checkpoint:
@@ -411,7 +414,13 @@ def add_lora(model, args: Args, task_type: str = "CAUSAL_LM", checkpoint: str | 
 
 def unwrap(model):
     """The transformers model inside a LoRA wrapper (its layers carry the adapter), or the model itself."""
-    return model.get_base_model() if isinstance(model, PeftModel) else model
+    return model.get_base_model() if is_lora(model) else model
+
+
+def is_lora(model) -> bool:
+    """Whether the model carries LoRA adapters (a peft PeftModel: none can exist before peft is imported)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 @torch.no_grad()
@@ -660,7 +669,7 @@ def save_final_model(model, tokenizer, args: Args):
     try:
         if main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-        if args.merge_lora and isinstance(model, PeftModel):
+        if args.merge_lora and is_lora(model):
             save_model(model, tokenizer, os.path.join(tmp, "adapter"), args)
             model = model.merge_and_unload()  # W ← W + (α/r)·B·A in every adapted layer: a plain transformers model
         save_model(model, tokenizer, tmp, args)

@@ -16,6 +16,7 @@ COPIES = {
     "load_model": ALL,  # a LoRA adapter directory loads as its base with the adapter merged in
     "add_lora": ALL,
     "unwrap": ALL,
+    "is_lora": ALL,
     "reference_policy": ["dpo", "grpo", "ppo"],  # with LoRA, π_ref is the policy with its adapter off
     "check_lora": ALL,
     "load_reward_model": ["grpo", "ppo"],
