@@ -75,6 +75,8 @@ class Args:
     """sampling temperature (log-probs are computed at the same temperature)"""
     max_new_tokens: int = 8
     """completion length limit"""
+    static_cache: bool = False
+    """sample with a static (preallocated) KV cache; on CUDA transformers then compiles the decoding step: faster after a slow first call, the same distribution"""
     # the objective: clipped ratio ρ, KL to π_ref, advantages Â
     clip_eps: float = 0.2
     """ε: the ratio ρ is clipped to [1−ε, 1+ε]"""
@@ -272,6 +274,7 @@ def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, a
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos_ids.tolist(),
         **(dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)),
+        **(dict(cache_implementation="static") if args.static_cache else {}),
     )
     completion_ids = out[:, prompt_ids.shape[1] :]
     mask = completion_mask(completion_ids, eos_ids)

@@ -8,6 +8,7 @@ optimiser. DPO: 32 pairs of 512 tokens (256 prompt + 256 completion), and 8 pair
 token forward, 6·N forward + backward, attention not counted) against the GPU's dense bf16 peak, and peak
 CUDA memory. The first step of each is a warm-up and is not reported.
 
+GRPO again with `--static-cache` (a preallocated KV cache; on CUDA transformers compiles the decoding step).
 Then the same steps with LoRA (`--lora-r`, the scripts' `add_lora`): adapters on every linear layer, π_ref
 the policy with its adapter off (no second model), the frozen base in bf16 on CUDA. With `--large` also at
 Qwen2.5-7B shape (built in bf16 on the device, gradient checkpointing on), LoRA only: full fine-tuning with
@@ -161,7 +162,9 @@ def timer(device):
 def grpo_step(policy, ref, optimizer, config, shape, args, autocast) -> dict:
     """grpo.py's step: sample, reference log-probs, clipped loss over micro-batches, optimiser step."""
     G, N, device = shape["group"], shape["prompts"], args.device
-    run_args = grpo.Args(max_new_tokens=shape["new_tokens"], temperature=1.0)
+    run_args = grpo.Args(
+        max_new_tokens=shape["new_tokens"], temperature=1.0, static_cache=shape.get("static_cache", False)
+    )
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
     prompt_ids = torch.randint(2, config.vocab_size, (N, shape["prompt_len"]), device=device).repeat_interleave(G, 0)
     prompt_mask = torch.ones_like(prompt_ids)
@@ -227,8 +230,9 @@ def median(values):
     return sorted(values)[len(values) // 2]
 
 
-def profile(policy, ref, config, shape, label: str, args: Args, autocast, peak) -> list[str]:
-    """One warm-up and `repeats` timed steps of GRPO, DPO and long-context DPO; a table per method."""
+def profile(policy, ref, config, shape, label: str, args: Args, autocast, peak, static_cache=False) -> list[str]:
+    """One warm-up and `repeats` timed steps of GRPO, DPO and long-context DPO; a table per method. With
+    static_cache also GRPO with --static-cache (the warm-up step takes the compilation)."""
     n_params = sum(p.numel() for p in policy.parameters())
     trainable = [p for p in policy.parameters() if p.requires_grad]
     lines = []
@@ -237,6 +241,7 @@ def profile(policy, ref, config, shape, label: str, args: Args, autocast, peak) 
     )
     for method, step, step_shape in [
         ("GRPO", grpo_step, shape),
+        *([("GRPO, --static-cache", grpo_step, dict(shape, static_cache=True))] if static_cache else []),
         ("DPO", dpo_step, shape),
         ("DPO, long context", dpo_step, long_context),
     ]:
@@ -256,7 +261,7 @@ def profile(policy, ref, config, shape, label: str, args: Args, autocast, peak) 
         }
         shape_text = (
             f"{step_shape['prompts']} prompts × group {step_shape['group']}, {step_shape['prompt_len']} prompt + {step_shape['new_tokens']} new tokens"
-            if method == "GRPO"
+            if method.startswith("GRPO")
             else f"{step_shape['pairs']} pairs × 2 × {step_shape['pair_prompt'] + step_shape['pair_completion']} tokens"
         )
         memory = f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if args.device == "cuda" else "n/a (CPU)"
@@ -293,7 +298,7 @@ def main(args: Args):
         f"Model: Qwen2-architecture, {n_params / 1e6:.1f}M parameters ({size}), random weights; device: {name}; "
         f"peak dense bf16: {peak or 'unknown'} TFLOPS; median of {args.repeats} steps after a warm-up.",
         "",
-        *profile(policy, ref, config, shape, "", args, autocast, peak),
+        *profile(policy, ref, config, shape, "", args, autocast, peak, static_cache=True),
     ]
     del policy, ref
     free_memory()

@@ -110,12 +110,15 @@ def test_gpu_profile_runs_on_a_tiny_cpu_config(tmp_path):
         "benchmarks/gpu.py", "--device", "cpu", "--tiny", "--large", "--repeats", "1", "--no-write", cwd=tmp_path
     )
     for phase in ["generation", "reference log-probs", "policy forward + backward", "optimiser"]:
-        assert proc.stdout.count(f"| {phase} |") == (1 if phase == "generation" else 3) * 3  # full, LoRA, large LoRA
+        # GRPO (generation and three more phases), DPO, long DPO: full (GRPO twice: --static-cache), LoRA, large LoRA
+        assert proc.stdout.count(f"| {phase} |") == (3 if phase == "generation" else 9) + 1
     for method in ["GRPO step", "DPO step", "DPO, long context step"]:
         assert f"**{method}**" in proc.stdout
         assert f"**{method}, LoRA r=16, tiny test config**" in proc.stdout
         assert f"**{method}, LoRA r=16, tiny 4-layer config**" in proc.stdout
-    assert "π_ref = adapter off, gradient checkpointing" in proc.stdout
+    assert (
+        "π_ref = adapter off, gradient checkpointing" in proc.stdout and "**GRPO, --static-cache step**" in proc.stdout
+    )
 
 
 @pytest.mark.slow

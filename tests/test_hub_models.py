@@ -41,7 +41,7 @@ def test_fixture_is_hub_like(chat_model):
 
 
 # ---------------------------------------------------------------- sampling == the ratio's distribution
-def sampled_logq_and_forward_logps(script, model, tok, temperature):
+def sampled_logq_and_forward_logps(script, model, tok, temperature, static_cache=False):
     """Runs script.generate on three left-padded chat prompts, capturing generate's processed scores:
     returns (log q(sampled token) under those scores, the script's forward_logps of the same tokens, mask)."""
     texts = [
@@ -59,7 +59,7 @@ def sampled_logq_and_forward_logps(script, model, tok, temperature):
 
     model.generate = spy
     eos = torch.tensor(common.eos_token_ids(tok, model.generation_config))
-    args = script.Args(max_new_tokens=12, temperature=temperature)
+    args = script.Args(max_new_tokens=12, temperature=temperature, static_cache=static_cache)
     torch.manual_seed(0)
     completion_ids, cmask, _ = script.generate(model, ids, mask, tok, eos, args)
     model.generate = plain_generate
@@ -73,19 +73,24 @@ def sampled_logq_and_forward_logps(script, model, tok, temperature):
     return log_q, fwd, cmask, captured["config"]
 
 
+@pytest.mark.parametrize("static_cache", [False, True], ids=["dynamic cache", "static cache"])
 @pytest.mark.parametrize("script", [grpo, ppo])
-def test_sampling_is_exactly_softmax_over_temperature_whatever_the_model_ships(chat_model, script):
+def test_sampling_is_exactly_softmax_over_temperature_whatever_the_model_ships(chat_model, script, static_cache):
     """The fixture's generation_config (after save + reload) with repetition_penalty and min_p on top:
-    the log-prob of each sampled token under generate's own processed scores equals forward_logps."""
+    the log-prob of each sampled token under generate's own processed scores equals forward_logps, with the
+    default KV cache and with --static-cache."""
     tok = common.load_tokenizer(chat_model)
     model = AutoModelForCausalLM.from_pretrained(chat_model).eval()
     model.generation_config.update(repetition_penalty=1.3, min_p=0.2, no_repeat_ngram_size=2, typical_p=0.9)
     shipped = model.generation_config.to_dict()
-    log_q, fwd, cmask, used = sampled_logq_and_forward_logps(script, model, tok, temperature=0.7)
+    log_q, fwd, cmask, used = sampled_logq_and_forward_logps(script, model, tok, 0.7, static_cache)
     assert cmask.sum() > 20
     assert (log_q - fwd).abs().mul(cmask).max() < 1e-5
     assert used.eos_token_id == common.eos_token_ids(tok, model.generation_config)  # stops at every EOS id
+    assert used.cache_implementation == ("static" if static_cache else None)
     assert model.generation_config.to_dict() == shipped  # the model keeps its own settings (and saves them)
+    if static_cache:
+        return
 
     # the check has teeth: generate left with the model's own settings samples from another distribution
     ids, mask = common.pad(common.tokenize(tok, ["What is 123+456?"] * 4), tok.pad_token_id, "left")

@@ -179,7 +179,7 @@ def test_lora_dpo_starts_at_log_2_and_raises_accuracy(sft_run, tmp_path):
 @pytest.mark.slow
 def test_lora_grpo_raises_accuracy(sft_run, tmp_path):
     _, model_dir, _ = sft_run
-    flags = ["--model", str(model_dir), "--lora-r", "8", "--lr", "1e-3", "--steps", "20", "--eval-every", "20"]
+    flags = ["--model", str(model_dir), "--lora-r", "8", "--lr", "1e-3", "--steps", "10", "--eval-every", "10"]
     run_script("grpo.py", *flags, "--run-name", "g", cwd=tmp_path)
     start, end = first_eval_and_last(tmp_path, "g", "eval/accuracy")
     assert end >= start + 0.1, (start, end)

@@ -106,7 +106,7 @@ def test_reward_model_end_to_end(reward_run):
     steps = int(RM_TEST_ARGS[RM_TEST_ARGS.index("--steps") + 1])
     assert (
         lr[0] < lr[19] == pytest.approx(3e-4)
-        and lr[300] == pytest.approx(3e-4 * (steps - 301) / (steps - 20))
+        and lr[150] == pytest.approx(3e-4 * (steps - 151) / (steps - 20))
         and lr[-1] == 0.0
     ), lr[:3] + lr[-3:]
     saved = AutoModelForSequenceClassification.from_pretrained(reward_dir)
