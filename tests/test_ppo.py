@@ -107,7 +107,7 @@ def test_ppo_end_to_end(sft_run, reward_run, tmp_path):
     metrics = read_metrics(tmp_path, "p")
     evals = [m for m in metrics if "eval/score" in m]
     assert evals[-1]["eval/score"] > evals[0]["eval/score"]
-    assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.03, evals
+    assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.2, evals  # the defaults' first 20 rounds
     train = [m for m in metrics if "train/kl" in m]
     assert all(-0.05 < m["train/kl"] < 2 for m in train)  # a sampled estimate: ~0 at the start
     for key in [
