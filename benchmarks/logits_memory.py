@@ -1,5 +1,7 @@
 """Peak memory of one DPO step with a large vocabulary: the [B,T,V] logits kept for backward (the scripts
-before lm_head_logprobs) vs the LM head over chunks of positions recomputed in backward (dpo.sequence_logps).
+before lm_head_logprobs) vs the LM head over chunks of positions recomputed in backward (dpo.sequence_logps);
+then the chunked step with LoRA (dpo.add_lora, rank 16 on every linear layer): one model, π_ref its adapter
+switched off, the frozen base in fp32 or, as with the scripts' --bf16, in bf16 under bf16 autocast.
 
 A 25M-parameter Qwen2-architecture model with Qwen2.5's 151,936-token vocabulary (random weights, no
 download); pairs × 2 sequences of prompt + completion tokens; reference log-probs (no gradients), policy
@@ -45,8 +47,10 @@ class Args:
     """vocabulary (Qwen2.5's by default)"""
     hidden_size: int = 160
     """hidden size (160 with 4 layers and this vocabulary: ~25M parameters)"""
-    variant: Literal["both", "full-logits", "chunked"] = "both"
-    """both: each variant in its own process, side by side; or run one variant in this process"""
+    variant: Literal["all", "full-logits", "chunked", "lora", "lora-bf16"] = "all"
+    """all: each variant in its own process, side by side; or run one variant in this process"""
+    lora_r: int = 16
+    """rank of the LoRA variants' adapters"""
     write: bool = True
     """write the table into benchmarks/RESULTS.md"""
 
@@ -84,8 +88,15 @@ def one_variant(args: Args) -> dict:
     )
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(args.device)
-    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(args.device).requires_grad_(False).eval()
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    lora = args.variant.startswith("lora")
+    if lora:  # π_ref: the policy with its adapter off, no second model
+        policy, ref = dpo.add_lora(policy, dpo.Args(lora_r=args.lora_r, bf16=args.variant == "lora-bf16")), None
+    else:
+        ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(args.device)
+        ref.requires_grad_(False).eval()
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-6)
+    autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.variant == "lora-bf16")
     B = args.pairs
     prompt = torch.randint(2, config.vocab_size, (B, args.prompt_tokens))
     completions = torch.randint(2, config.vocab_size, (2 * B, args.completion_tokens))
@@ -96,23 +107,25 @@ def one_variant(args: Args) -> dict:
     }
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     batch = {k: v.to(args.device) for k, v in batch.items()}
-    sequence_logps = dpo.sequence_logps if args.variant == "chunked" else full_logits_sequence_logps
-    for p in policy.parameters():  # the optimiser's state exists before the measured step, as in training
+    sequence_logps = full_logits_sequence_logps if args.variant == "full-logits" else dpo.sequence_logps
+    for p in trainable:  # the optimiser's state exists before the measured step, as in training
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     before = peak_bytes(args.device)
-    with torch.no_grad():
-        ref_chosen, ref_rejected = sequence_logps(ref, batch).chunk(2)
-    chosen, rejected = sequence_logps(policy, batch).chunk(2)
+    with torch.no_grad(), autocast, dpo.reference_policy(policy, ref) as pi_ref:
+        ref_chosen, ref_rejected = sequence_logps(pi_ref, batch).chunk(2)
+    with autocast:
+        chosen, rejected = sequence_logps(policy, batch).chunk(2)
     losses, _, _ = dpo.dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=0.1)
     losses.mean().backward()
     optimizer.step()
     peak = peak_bytes(args.device)
     return {
         "parameters": sum(p.numel() for p in policy.parameters()),
+        "trainable": sum(p.numel() for p in trainable),
         "peak": peak,
         "step": peak - before,
         "loss": losses.mean().item(),
@@ -120,11 +133,11 @@ def one_variant(args: Args) -> dict:
 
 
 def main(args: Args):
-    if args.variant != "both":
+    if args.variant != "all":
         print(json.dumps(one_variant(args)))
         return
     results = {}
-    for variant in ("full-logits", "chunked"):
+    for variant in ("full-logits", "chunked", "lora", "lora-bf16"):
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("variant", "write")]
         out = subprocess.run(
             [sys.executable, __file__, *flags, "--variant", variant, "--no-write"],
@@ -133,8 +146,10 @@ def main(args: Args):
             check=True,
         )
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
-    full, chunked = results["full-logits"], results["chunked"]
+    full, chunked, lora, lora_bf16 = (results[v] for v in ("full-logits", "chunked", "lora", "lora-bf16"))
     assert abs(full["loss"] - chunked["loss"]) < 1e-4, (full["loss"], chunked["loss"])  # the same step
+    # LoRA: π_ref is the policy with its adapter off (B = 0 at the start), so the loss is log 2
+    assert all(abs(r["loss"] - 0.6931) < 1e-3 for r in (lora, lora_bf16)), results
     kind = "peak CUDA memory" if args.device == "cuda" else "peak resident memory (ru_maxrss)"
     gib = 2**30
     text = "\n".join(
@@ -142,14 +157,20 @@ def main(args: Args):
             "## Logits memory: a DPO step with a 151,936-token vocabulary (`benchmarks/logits_memory.py`)",
             "",
             f"{full['parameters'] / 1e6:.1f}M-parameter Qwen2-architecture model, vocabulary {args.vocab_size:,}, {args.pairs} pairs × 2 × "
-            f"({args.prompt_tokens} + {args.completion_tokens}) tokens, fp32 on {args.device}; reference log-probs, policy forward + backward, "
-            f"AdamW step. {kind}, each variant in a fresh process, measured side by side in one run.",
+            f"({args.prompt_tokens} + {args.completion_tokens}) tokens, fp32 on {args.device} unless said; reference log-probs, policy forward + backward, "
+            f"AdamW step. {kind}, each variant in a fresh process, measured side by side in one run. LoRA: rank {args.lora_r} "
+            f"on every linear layer of the decoder ({lora['trainable'] / 1e6:.2f}M trainable; the tied embedding / LM head stays frozen), "
+            "π_ref the policy with its adapter off.",
             "",
-            "| variant | peak | added by the step | ratio to full logits (step) |",
-            "|---|---|---|---|",
-            f"| full logits kept for backward (before) | {full['peak'] / gib:.2f} GiB | {full['step'] / gib:.2f} GiB | 1.00 |",
-            f"| LM head over chunks, recomputed in backward (`lm_head_logprobs`) | {chunked['peak'] / gib:.2f} GiB | {chunked['step'] / gib:.2f} GiB "
-            f"| {chunked['step'] / full['step']:.2f} |",
+            "| variant | models held | peak | added by the step | ratio to full logits (peak) |",
+            "|---|---|---|---|---|",
+            f"| full logits kept for backward (before) | policy + reference | {full['peak'] / gib:.2f} GiB | {full['step'] / gib:.2f} GiB | 1.00 |",
+            f"| LM head over chunks, recomputed in backward (`lm_head_logprobs`) | policy + reference | {chunked['peak'] / gib:.2f} GiB "
+            f"| {chunked['step'] / gib:.2f} GiB | {chunked['peak'] / full['peak']:.2f} |",
+            f"| chunked + LoRA, frozen base fp32 | one, adapter off for π_ref | {lora['peak'] / gib:.2f} GiB | {lora['step'] / gib:.2f} GiB "
+            f"| {lora['peak'] / full['peak']:.2f} |",
+            f"| chunked + LoRA, frozen base bf16, bf16 autocast (`--bf16`) | one, adapter off for π_ref | {lora_bf16['peak'] / gib:.2f} GiB "
+            f"| {lora_bf16['step'] / gib:.2f} GiB | {lora_bf16['peak'] / full['peak']:.2f} |",
             "",
             f"Command: `python benchmarks/logits_memory.py{' --device cuda' if args.device == 'cuda' else ''}`; run {datetime.date.today()} on "
             f"{torch.cuda.get_device_name() if args.device == 'cuda' else f'{os.cpu_count()} CPU cores'}, torch {torch.__version__}, "

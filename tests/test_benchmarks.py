@@ -140,6 +140,7 @@ def test_logits_memory_runs_both_variants_on_a_small_config(tmp_path):
         cwd=tmp_path,
     )
     assert "| full logits kept for backward (before) |" in proc.stdout and "`lm_head_logprobs`" in proc.stdout
+    assert "| chunked + LoRA, frozen base fp32 |" in proc.stdout and "| chunked + LoRA, frozen base bf16" in proc.stdout
 
 
 @pytest.mark.slow
