@@ -932,6 +932,7 @@ CAN_CHANGE_ON_RESUME = {
     "run_name",
     "skip_nonfinite",
     "gradient_checkpointing",
+    "static_cache",
     "fsdp",
     "trust_remote_code",
     "merge_lora",
