@@ -42,7 +42,7 @@ METHODS = {  # what each method holds in memory while it trains (from the script
     "more_sft": "1: policy",
 }
 LABELS = {"ppo": "PPO", "dpo": "DPO", "grpo": "GRPO", "more_sft": "more SFT (control)"}
-LORA = {  # with --lora-r: what each method holds as <method>_lora, and its learning rate (adapters want ~10× more)
+LORA = {  # with --lora-r: what each method holds as <method>_lora, and its learning rate (adapters want a larger one)
     "ppo": (
         "3: policy (π_ref: its adapter off), reward model, critic (adapter + value head on a copy of the base)",
         "2e-4",
