@@ -137,7 +137,7 @@ RUNS = [  # script, flags: each completes under torchrun and saves what transfor
             "--eval-size",
             "32",
             "--sample-prompts",
-            "128",  # only some prompts give a pair: enough prompts that one step's 16 pairs never depend on luck
+            "128",  # only some prompts give a pair: enough prompts that one step's 16 pairs are not left to chance
             "--fsdp",
             "--save-every",
             "3",
