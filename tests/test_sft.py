@@ -85,16 +85,20 @@ def test_saved_model_reloads_and_generates(sft_run):
 
 
 @pytest.mark.slow
-def test_sft_in_cpu_bf16_with_another_seed_lands_where_fp32_does(sft_run, tmp_path):
-    """bf16 autocast on the CPU (the GPU's numerics) and seed 2 reach the same level as the session model
-    (fp32, seed 1): the teacher's, set by the data rather than by where training happens to stop."""
-    out = run_script(
-        "sft.py", "--bf16", "--seed", "2", "--eval-every", "1500", "--run-name", "bf16", cwd=tmp_path
-    ).stdout
+def test_sft_in_cpu_bf16_follows_the_fp32_run(tmp_path):
+    """bf16 autocast on the CPU (the GPU's numerics) takes the same path as fp32 from the same seed: every
+    logged loss within a few percent, while the held-out loss falls by 40%. Where full-length runs land in each
+    precision, over seeds, thread counts and processes, is benchmarks/sft_spread.py's table; `pytest --bf16`
+    runs the session model's end-to-end checks in bf16 (emulated bf16 is several times slower on a CPU)."""
+    flags = ["--seed", "2", "--steps", "30", "--eval-every", "30", "--eval-size", "16"]
+    out = run_script("sft.py", *flags, "--bf16", "--run-name", "bf16", cwd=tmp_path).stdout
     assert "bf16 autocast" in out
-    bf16 = [m["eval/accuracy"] for m in read_metrics(tmp_path, "bf16") if "eval/accuracy" in m][-1]
-    fp32 = [m["eval/accuracy"] for m in sft_run[2] if "eval/accuracy" in m][-1]
-    assert abs(bf16 - teachers_level()) < 0.06 and abs(bf16 - fp32) < 0.06, (bf16, fp32, teachers_level())
+    run_script("sft.py", *flags, "--no-bf16", "--run-name", "fp32", "--output-dir", "models/fp32", cwd=tmp_path)
+    bf16, fp32 = ([m for m in read_metrics(tmp_path, name) if "step" in m] for name in ("bf16", "fp32"))
+    losses = [(a[k], b[k]) for a, b in zip(bf16, fp32) for k in ("train/loss", "eval/loss") if k in a]
+    assert len(losses) == 5 and losses[-1][1] < 0.6 * losses[0][1], losses
+    assert all(abs(a - b) < 0.04 * b for a, b in losses), losses
+    assert any(a != b for a, b in losses)  # bf16 did round differently
 
 
 @pytest.mark.slow
