@@ -6,6 +6,7 @@ CPU, the numerics the scripts have by default on a CUDA GPU (bf16 autocast, froz
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TQDM_DISABLE="1", WANDB_MODE="offline")
+# one thread per process: two pytest workers each run a script at a time, and oversubscribed OpenMP threads
+# wait on each other (torchrun gives each of its processes one thread too)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 SCRIPTS = ("sft.py", "reward_model.py", "dpo.py", "grpo.py", "ppo.py")
@@ -59,11 +63,40 @@ def read_metrics(cwd: Path, run_name: str) -> list[dict]:
     return [json.loads(line) for line in (cwd / "runs" / run_name / "metrics.jsonl").read_text().splitlines()]
 
 
+def pytest_collection_modifyitems(items):
+    """A test that needs the session's reward model runs first, then the tests that need neither session
+    model: with two workers, one trains the SFT and reward models while the other works through those."""
+    first = next((item for item in items if "reward_run" in item.fixturenames), None)
+    items.sort(key=lambda item: (item is not first, "sft_run" in item.fixturenames))
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """A directory `make(dir)` fills once per test session. Under pytest-xdist the workers share it: the first
+    to ask makes it while the others wait on its lock."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        cwd = tmp_path_factory.mktemp(name)
+        make(cwd)
+        return cwd
+    from filelock import FileLock  # a dependency of torch
+
+    cwd = tmp_path_factory.getbasetemp().parent / name  # the session's directory, above the workers' own
+    with FileLock(f"{cwd}.lock"):
+        if not (cwd / "made").exists():
+            shutil.rmtree(cwd, ignore_errors=True)
+            cwd.mkdir()
+            make(cwd)
+            (cwd / "made").touch()
+    return cwd
+
+
 @pytest.fixture(scope="session")
 def sft_run(tmp_path_factory):
     """The tiny SFT model as `python sft.py` makes it, trained once: (work dir, model dir, metrics rows)."""
-    cwd = tmp_path_factory.mktemp("sft")
-    run_script("sft.py", "--eval-every", "500", "--run-name", "session", cwd=cwd)
+    cwd = made_once(
+        tmp_path_factory,
+        "sft",
+        lambda cwd: run_script("sft.py", "--eval-every", "500", "--run-name", "session", cwd=cwd),
+    )
     return cwd, cwd / "models" / "sft", read_metrics(cwd, "session")
 
 
@@ -82,9 +115,13 @@ def reward_run(sft_run, tmp_path_factory):
     """A reward model trained once from the session SFT model, on pairs of its own samples (the default on
     the built-in task): (work dir, model dir, metrics rows, stdout)."""
     _, sft_dir, _ = sft_run
-    cwd = tmp_path_factory.mktemp("reward")
-    out = run_script("reward_model.py", "--model", str(sft_dir), *RM_TEST_ARGS, "--run-name", "session", cwd=cwd).stdout
-    return cwd, cwd / "models" / "reward", read_metrics(cwd, "session"), out
+
+    def make(cwd):
+        proc = run_script("reward_model.py", "--model", str(sft_dir), *RM_TEST_ARGS, "--run-name", "session", cwd=cwd)
+        (cwd / "stdout.txt").write_text(proc.stdout)
+
+    cwd = made_once(tmp_path_factory, "reward", make)
+    return cwd, cwd / "models" / "reward", read_metrics(cwd, "session"), (cwd / "stdout.txt").read_text()
 
 
 # ---------------------------------------------------------------- hub-like models, built offline
