@@ -158,11 +158,11 @@ def test_token_logprobs_matches_log_softmax_gather():
 def test_grpo_end_to_end_improves_accuracy(sft_run, tmp_path):
     _, model_dir, _ = sft_run
     run_script(
-        "grpo.py", "--model", str(model_dir), "--steps", "20", "--eval-every", "20", "--run-name", "g", cwd=tmp_path
+        "grpo.py", "--model", str(model_dir), "--steps", "10", "--eval-every", "10", "--run-name", "g", cwd=tmp_path
     )
     evals = [m for m in read_metrics(tmp_path, "g") if "eval/accuracy" in m]
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
-    assert after >= before + 0.2, (before, after)  # the first 20 of the default 300 steps (constant lr after warm-up)
+    assert after >= before + 0.2, (before, after)  # the first 10 of the default 300 steps
     train = [m for m in read_metrics(tmp_path, "g") if "train/kl" in m]
     assert 0 < train[-1]["train/kl"] < 1  # the KL to the reference is measured and stays bounded
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "grpo") is not None

@@ -164,7 +164,7 @@ def test_lora_sft_trains_adapters_on_a_pretrained_model_and_merges(tmp_path):
 def test_lora_dpo_starts_at_log_2_and_raises_accuracy(sft_run, tmp_path):
     """π_ref is the policy with its adapter off: the first loss is log 2 exactly, in fp32 and in bf16."""
     _, model_dir, _ = sft_run
-    flags = ["--model", str(model_dir), "--lora-r", "8", "--lr", "1e-4", "--steps", "60", "--eval-every", "60"]
+    flags = ["--model", str(model_dir), "--lora-r", "8", "--lr", "1e-4", "--steps", "30", "--eval-every", "30"]
     out = run_script("dpo.py", *flags, "--run-name", "d", cwd=tmp_path).stdout
     train = [m for m in read_metrics(tmp_path, "d") if "train/loss" in m]
     assert train[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)

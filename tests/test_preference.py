@@ -118,7 +118,7 @@ def test_dpo_end_to_end_raises_greedy_accuracy(sft_run, tmp_path):
     """Pairs sampled from π_ref (the default on the built-in task) raise held-out greedy accuracy."""
     _, model_dir, _ = sft_run
     out = run_script(
-        "dpo.py", "--model", str(model_dir), "--steps", "100", "--eval-every", "100", "--run-name", "d", cwd=tmp_path
+        "dpo.py", "--model", str(model_dir), "--steps", "50", "--eval-every", "50", "--run-name", "d", cwd=tmp_path
     ).stdout
     assert "prompts had a right and a wrong one" in out
     metrics = read_metrics(tmp_path, "d")
