@@ -8,6 +8,7 @@
 - tokenising, left padding (prompts, for generation) and right padding (completions), collation.
 """
 
+import functools
 import os
 import random
 import re
@@ -375,16 +376,6 @@ def tokenize(
         eos = set(eos_ids or [tokenizer.eos_token_id])
         ends = [next((i for i, t in enumerate(x) if t in eos), None) for x in ids]
         ids = [x + [tokenizer.eos_token_id] if end is None else x[: end + 1] for x, end in zip(ids, ends)]
-    if max_length is not None and left_truncate:  # prompts: too long for every row is a setting error
-        too_long = sum(len(x) > max_length for x in ids)
-        if ids and too_long == len(ids):
-            raise DataError(
-                f"every prompt is longer than the limit of {max_length} tokens (shortest: {min(map(len, ids))}); raise the prompt length limit"
-            )
-        if too_long:
-            print(
-                f"warning: {too_long} of {len(ids)} prompts are longer than {max_length} tokens and are left-truncated"
-            )
     if max_length is not None:
         ids = [x[-max_length:] if left_truncate else x[:max_length] for x in ids]
     return ids
@@ -392,7 +383,38 @@ def tokenize(
 
 def tokenize_prompts(tokenizer, rows: list[dict], max_length: int) -> list[list[int]]:
     """Each row's prompt as token ids, truncated from the left: the end of a prompt is what gets answered."""
-    return tokenize(tokenizer, [r["prompt"] for r in rows], max_length=max_length, left_truncate=True)
+    ids = tokenize(tokenizer, [r["prompt"] for r in rows])
+    if any(len(x) > max_length for x in ids):
+        warn_once(f"prompts longer than {max_length} tokens are left-truncated")
+    return [x[-max_length:] for x in ids]
+
+
+def check_prompt_lengths(tokenizer, rows: list[dict], max_length: int):
+    """At start, on the held-out prompts: those longer than max_length are counted, and a limit that no prompt
+    fits is a setting error (DataError). Training prompts are tokenized a batch at a time, as they are drawn."""
+    lengths = [len(x) for x in tokenize(tokenizer, [r["prompt"] for r in rows])]
+    too_long = sum(n > max_length for n in lengths)
+    if lengths and too_long == len(lengths):
+        raise DataError(
+            f"every prompt is longer than the limit of {max_length} tokens (shortest: {min(lengths)}); raise the prompt length limit"
+        )
+    if too_long:
+        print(f"warning: {too_long} of {len(lengths)} held-out prompts are longer than {max_length} tokens")
+        warn_once(f"prompts longer than {max_length} tokens are left-truncated")
+
+
+@functools.cache
+def warn_once(message: str):
+    """A warning printed the first time only (training batches, tokenized as they are drawn, would repeat it)."""
+    print(f"warning: {message}")
+
+
+def completion_batch(tokenizer, rows, completions: list[str], max_length: int, eos_ids=None, device="cpu") -> dict:
+    """collate() of the rows' prompts (left-truncated) and the completions, each ending at its first EOS (any of
+    eos_ids), both cut to max_length tokens, on `device`."""
+    prompts = tokenize_prompts(tokenizer, rows, max_length)
+    completion_ids = tokenize(tokenizer, completions, add_eos=True, max_length=max_length, eos_ids=eos_ids)
+    return {k: v.to(device) for k, v in collate(prompts, completion_ids, tokenizer.pad_token_id).items()}
 
 
 def retokenize(tokenizer, rows: list[dict], completions: list[str], ended: list[bool], max_prompt_length: int):

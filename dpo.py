@@ -19,37 +19,16 @@ experiments; `--sample-pairs 0` trains on the task's fixed pairs (a correct answ
 """
 
 import contextlib
-import copy
-import json
-import math
-import os
 import random
-import re
-import shutil
-import signal
-import sys
 import time
-from dataclasses import asdict, dataclass
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-import tyro
-from safetensors import safe_open
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 import common
 
@@ -238,81 +217,48 @@ def sequence_logps(model, batch: dict) -> torch.Tensor:
     ).sum(1)
 
 
-def pair_batch(prompts, rows, tokenizer, max_length: int, device, eos_ids: list[int] | None = None) -> dict:
-    """Chosen (first B rows) then rejected (last B rows), each ending with EOS: one concatenated forward."""
-    completions = common.tokenize(
-        tokenizer,
-        [r["chosen"] for r in rows] + [r["rejected"] for r in rows],
-        add_eos=True,
-        max_length=max_length,
-        eos_ids=eos_ids,
-    )
-    return {k: v.to(device) for k, v in common.collate(prompts * 2, completions, tokenizer.pad_token_id).items()}
+def pair_batch(tokenizer, rows: list[dict], max_length: int, device, eos_ids: list[int] | None = None) -> dict:
+    """Chosen (first B rows) then rejected (last B rows), each after its prompt and ending with EOS: one batch."""
+    completions = [r["chosen"] for r in rows] + [r["rejected"] for r in rows]
+    return common.completion_batch(tokenizer, rows * 2, completions, max_length, eos_ids, device)
 
 
 @torch.no_grad()
-def sample_pairs(
-    model,
-    tokenizer,
-    prompts,
-    rows,
-    k: int,
-    temperature: float,
-    max_new_tokens: int,
-    batch_size: int,
-    device,
-    show_progress: bool = True,
-) -> list[dict]:
-    """Pairs from the model's own samples, labelled by the answer key: k completions per prompt; a prompt
-    with a correct and a wrong one gives {prompt, chosen: the first correct, rejected: a wrong one at random}.
-    (The DPO paper builds its controlled-experiment pairs the same way: samples of π_SFT, scored by a judge.)"""
-    pairs = []
-    for i in tqdm(
-        range(0, len(rows), batch_size), desc="sampling pairs", disable=not show_progress or None, leave=False
-    ):
-        ids, mask = common.pad(prompts[i : i + batch_size], tokenizer.pad_token_id, "left")
-        out = generate_exactly(
-            model,
-            ids.to(device),
-            mask.to(device),
-            do_sample=True,
-            temperature=temperature,
-            num_return_sequences=k,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=common.eos_token_ids(tokenizer, model.generation_config),
-        )
+def sample_pairs(model, tokenizer, rows: list[dict], args: Args, run, autocast) -> list[dict]:
+    """Pairs from the model's own samples, labelled by the answer key: --sample-pairs completions of each prompt
+    at --sample-temperature; a prompt with a correct and a wrong one gives {prompt, chosen: the first correct,
+    rejected: a wrong one at random}. (The DPO paper builds its controlled-experiment pairs the same way:
+    samples of π_SFT, scored by a judge.) Each process samples a share of the rows; all get every pair."""
+    k, n, pairs, t0 = args.sample_pairs, 8 * args.batch_size, [], time.time()
+    mine = rows[run.rank * len(rows) // run.world : (run.rank + 1) * len(rows) // run.world]
+    for i in tqdm(range(0, len(mine), n), desc="sampling pairs", disable=run.rank > 0 or None, leave=False):
+        batch_rows = mine[i : i + n]
+        prompts = common.tokenize_prompts(tokenizer, batch_rows, args.max_length)
+        ids, mask = (t.to(run.device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
+        with autocast:
+            out = generate_exactly(
+                model,
+                ids,
+                mask,
+                do_sample=True,
+                temperature=args.sample_temperature,
+                num_return_sequences=k,
+                max_new_tokens=args.max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=common.eos_token_ids(tokenizer, model.generation_config),
+            )
         texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
-        for j, row in enumerate(rows[i : i + batch_size]):
+        for j, row in enumerate(batch_rows):
             right = [t for t in texts[j * k : (j + 1) * k] if common.is_correct(t, row["answer"])]
             wrong = [t for t in texts[j * k : (j + 1) * k] if not common.is_correct(t, row["answer"])]
             if right and wrong:
                 pairs.append({"prompt": row["prompt"], "chosen": right[0], "rejected": random.choice(wrong)})
+    pairs = gather_lists(pairs)
+    print(
+        f"sampled {k} completions at T={args.sample_temperature} for each of {len(rows)} prompts: {len(pairs)} "
+        f"had a right and a wrong one → a pair ({time.time() - t0:.0f} s)"
+    )
     return pairs
-
-
-def own_pairs(args: Args, run: SimpleNamespace, ref, tokenizer, rows: list[dict], autocast) -> list[dict]:
-    """sample_pairs from π_ref over `rows`, each process a share, gathered: every process trains on the same pairs."""
-    mine = rows[run.rank * len(rows) // run.world : (run.rank + 1) * len(rows) // run.world]
-    with autocast:
-        prompt_ids = common.tokenize_prompts(tokenizer, mine, args.max_length)
-        pairs = sample_pairs(
-            ref,
-            tokenizer,
-            prompt_ids,
-            mine,
-            args.sample_pairs,
-            args.sample_temperature,
-            args.max_new_tokens,
-            8 * args.batch_size,
-            run.device,
-            show_progress=run.rank == 0,
-        )
-    shares = [pairs]
-    if dist.is_initialized():
-        shares = [None] * run.world
-        dist.all_gather_object(shares, pairs)
-    return [pair for share in shares for pair in share]
 
 
 @torch.no_grad()
@@ -323,128 +269,87 @@ def reference_logps(policy, ref, batch: dict, autocast) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(policy, tokenizer, eos_ids, rows, prompts, ref_logps, args: Args, device, autocast) -> tuple[dict, list]:
+def evaluate(policy, tokenizer, eos_ids, rows, ref_logps, args: Args, device, autocast) -> tuple[dict, list]:
     """Held-out preference accuracy of the implicit reward, greedy accuracy when answers exist; a few samples."""
     policy.eval()
-    wins, correct, samples = [], [], []
     has_answers = all(r.get("answer") is not None for r in rows)
-    n = args.batch_size  # never more memory than a training batch
+    wins, texts, n = [], [], args.batch_size  # never more memory than a training batch
     for i in range(0, len(rows), n):
-        batch_rows = rows[i : i + n]
-        batch = pair_batch(prompts[i : i + n], batch_rows, tokenizer, args.max_length, device, eos_ids)
+        batch = pair_batch(tokenizer, rows[i : i + n], args.max_length, device, eos_ids)
         with autocast:
             chosen, rejected = sequence_logps(policy, batch).float().chunk(2)
+            if has_answers:  # the first half of the batch's prompts: each pair's once
+                prompt_ids, prompt_mask = batch["prompt_ids"][: len(chosen)], batch["prompt_mask"][: len(chosen)]
+                texts += greedy_completions(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
         wins += ((chosen - ref_logps[i : i + n, 0]) > (rejected - ref_logps[i : i + n, 1])).tolist()
-        if has_answers:
-            P, B = batch["prompt_ids"].shape[1], len(batch_rows)
-            with autocast:
-                out = generate_exactly(
-                    policy,
-                    batch["prompt_ids"][:B],
-                    batch["prompt_mask"][:B],
-                    synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: lockstep
-                    do_sample=False,
-                    max_new_tokens=args.max_new_tokens,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=eos_ids,
-                )
-            texts = tokenizer.batch_decode(out[:, P:], skip_special_tokens=True)
-            correct += [common.is_correct(t, r["answer"]) for t, r in zip(texts, batch_rows)]
-            samples += [
-                {"prompt": r["prompt"], "completion": t, "answer": r["answer"]} for r, t in zip(batch_rows, texts)
-            ][: max(0, 5 - len(samples))]
     policy.train()
-    metrics = {"eval/rewards/accuracies": float(np.mean(wins))}
+    metrics = {"eval/rewards/accuracies": sum(wins) / len(wins)}
     if has_answers:
-        metrics["eval/accuracy"] = float(np.mean(correct))
-    return metrics, samples
+        metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
+    return metrics, [{"prompt": r["prompt"], "completion": t, "answer": r["answer"]} for r, t in zip(rows, texts[:5])]
 
 
 def main(args: Args):
     run = start_run(args, "dpo")  # flags checked, --resume found, seeds set, torchrun's processes joined
     autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
     tokenizer, policy, ref = load_models(args, run)
-    eos_ids = common.eos_token_ids(tokenizer, policy.generation_config)  # completions end at the first of any
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trained = wrap(policy, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
+    eos_ids = common.eos_token_ids(tokenizer, policy.generation_config)  # completions end at the first of any
 
     # 1. preference pairs (x, y_w, y_l): the dataset's, or on the built-in task π_ref's own right and wrong samples
     train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
-    eval_prompts = common.tokenize_prompts(tokenizer, eval_rows, args.max_length)
-    print(
-        f"policy {args.model} on {run.device} × {run.world}; {len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}"
-    )
-    step_rows = args.batch_size * args.grad_accum_steps * run.world
-    sampled, t_sample = bool(run.state and "pairs" in run.state), time.time()
+    common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
+    step_rows, t_sample = args.batch_size * args.grad_accum_steps * run.world, 0.0
+    sampled = bool(run.state and "pairs" in run.state)
     if sampled:  # resumed: the very pairs the run started with (the reference cache indexes them)
         train_rows = run.state["pairs"]
     elif args.sample_pairs and all(r.get("answer") is not None for r in train_rows[:1000]):
-        # On-policy pairs: the fixed pairs' slips are answers π_ref itself rarely gives, so pushing them
-        # down barely moves its greedy answers; its own right and wrong samples do (see README).
-        # prompts for twice the pairs the run draws: only those with a right and a wrong sample give one
-        n_prompts = min(len(train_rows), 2 * args.steps * step_rows)
+        # On-policy pairs: the fixed pairs' slips are answers π_ref itself rarely gives, so pushing them down
+        # barely moves its greedy answers; its own right and wrong samples do. Prompts for twice the pairs
+        # the run draws: only those with a right and a wrong sample give one.
+        sampled, t_sample = True, time.time()
         with reference_policy(policy, ref) as pi_ref:
-            train_rows = own_pairs(args, run, pi_ref, tokenizer, train_rows[:n_prompts], autocast)
-        sampled, t_sample = True, time.time() - t_sample
-        print(
-            f"sampled {args.sample_pairs} completions at T={args.sample_temperature} for each of {n_prompts} prompts from π_ref: "
-            f"{len(train_rows)} prompts had a right and a wrong one → training pairs ({t_sample:.0f} s)"
-        )
-    prompts = common.tokenize_prompts(tokenizer, train_rows, args.max_length)
-    if len(train_rows) < step_rows:
-        fail(
-            f"{len(train_rows)} training pairs are fewer than one step's {step_rows} (batch size × accumulation steps × processes)"
-        )
+            train_rows = sample_pairs(pi_ref, tokenizer, train_rows[: 2 * args.steps * step_rows], args, run, autocast)
+        t_sample = time.time() - t_sample
+    print(f"{len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}")
 
     # 2. reference log-probs: computed once per pair, the first time it is drawn, then reused every epoch
-    def pairs_at(prompt_ids: list, rows: list[dict], idx) -> dict:
-        return pair_batch(
-            [prompt_ids[i] for i in idx], [rows[i] for i in idx], tokenizer, args.max_length, run.device, eos_ids
-        )
+    def pairs_at(rows: list[dict], idx) -> dict:
+        return pair_batch(tokenizer, [rows[i] for i in idx], args.max_length, run.device, eos_ids)
 
-    n_train, n_eval, device = len(train_rows), len(eval_rows), run.device
-    ref_cache = (
-        run.state["ref_cache"].to(device) if run.state else torch.full((n_train, 2), float("nan"), device=device)
-    )
-    chunks = [range(i, min(i + args.batch_size, n_eval)) for i in range(0, n_eval, args.batch_size)]
-    eval_ref = torch.cat([reference_logps(policy, ref, pairs_at(eval_prompts, eval_rows, c), autocast) for c in chunks])
+    nan = torch.full((len(train_rows), 2), float("nan"), device=run.device)
+    ref_cache = run.state["ref_cache"].to(run.device) if run.state else nan
+    chunks = [range(i, min(i + args.batch_size, len(eval_rows))) for i in range(0, len(eval_rows), args.batch_size)]
+    eval_ref = torch.cat([reference_logps(policy, ref, pairs_at(eval_rows, c), autocast) for c in chunks])
 
     # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
     trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=True)
     schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
-    # the same order in every process
-    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)
-    first_step = begin_training(args, run, policy, optimizer, schedule, batches)
+    batches, progress = begin_training(args, run, policy, optimizer, schedule, len(train_rows), step_rows)
 
     def run_eval(step: int) -> dict:
-        metrics, samples = evaluate(
-            policy, tokenizer, eos_ids, eval_rows, eval_prompts, eval_ref, args, device, autocast
+        return log_eval(
+            run, step, *evaluate(policy, tokenizer, eos_ids, eval_rows, eval_ref, args, run.device, autocast)
         )
-        log(run, metrics, step, samples)
-        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        return metrics
 
     def extra_state() -> dict:  # what DPO's checkpoints hold besides the usual: the reference cache, the pairs
         return {"ref_cache": merged_over_processes(ref_cache).cpu(), **({"pairs": train_rows} if sampled else {})}
 
-    if sampled and not run.state:
+    if t_sample:
         log(run, {"train/generation_s": round(t_sample, 3)}, 0)
     start = end = run.state["start"] if run.state else run_eval(0)
-    progress = tqdm(range(first_step, args.steps + 1), desc="dpo", dynamic_ncols=True, disable=run.rank > 0 or None)
     for step in progress:
         # 3. the DPO loss on a batch of pairs, gradients summed over micro-batches and processes
         idx = next(batches)
-        totals = dict.fromkeys(["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies"], 0.0)
-        totals.update(dict.fromkeys(["logps/chosen", "logps/rejected"], 0.0))
+        totals = {"loss": 0.0}
         for k in range(args.grad_accum_steps):
             mine = process_share(idx, run, args.batch_size, micro_batch=k)
             missing = [i for i in mine if ref_cache[i, 0].isnan()]
             if missing:
-                ref_cache[missing] = reference_logps(policy, ref, pairs_at(prompts, train_rows, missing), autocast)
-            batch = pairs_at(prompts, train_rows, mine)
+                ref_cache[missing] = reference_logps(policy, ref, pairs_at(train_rows, missing), autocast)
+            batch = pairs_at(train_rows, mine)
             with gradient_sync(trained, last=k == args.grad_accum_steps - 1):
                 with autocast:  # log π_θ(y_w | x) and log π_θ(y_l | x): chosen and rejected in one forward pass
                     logp_w, logp_l = sequence_logps(trained, batch).chunk(2)
@@ -458,14 +363,14 @@ def main(args: Args):
                 loss = losses.sum() / (len(idx) / run.world)
                 loss.backward()
             totals["loss"] += loss.item()
-            for key, value in [
-                ("rewards/chosen", chosen_rewards.mean()),
-                ("rewards/rejected", rejected_rewards.mean()),
-                ("rewards/accuracies", (chosen_rewards > rejected_rewards).float().mean()),
-                ("logps/chosen", logp_w.mean()),
-                ("logps/rejected", logp_l.mean()),
-            ]:
-                totals[key] += value.item() / args.grad_accum_steps
+            for key, value in {
+                "rewards/chosen": chosen_rewards.mean(),
+                "rewards/rejected": rejected_rewards.mean(),
+                "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+                "logps/chosen": logp_w.mean(),
+                "logps/rejected": logp_l.mean(),
+            }.items():
+                totals[key] = totals.get(key, 0.0) + value.item() / args.grad_accum_steps
         totals = mean_over_processes(totals, run.device)
         grad_norm = optimizer_step(args, run, step, [policy], optimizer, totals["loss"])
         schedule.step()
@@ -487,6 +392,32 @@ def main(args: Args):
 # errors. Not part of the method: the helpers below that do the same thing in several scripts are textually the
 # same in each (tests/test_copies.py checks it).
 # ======================================================================================================
+# the infrastructure's own imports: here, beside it, so that the top of the file shows what the method needs
+import copy
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import numpy as np
+import torch.distributed as dist
+import tyro
+from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+
 # -------------------------------------------------- models: loading, LoRA adapters, sampling settings
 def load_model(
     path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs
@@ -568,6 +499,9 @@ def load_models(args: Args, run: SimpleNamespace):
         policy = load_model(path, args.trust_remote_code)
         path = run.checkpoint or path
         policy = add_lora(policy, args, checkpoint=run.checkpoint).to(run.device).train()
+        print_model(f"policy {args.model}", policy, args, run)
+        if args.gradient_checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         path = args.ref_model or args.model
         if args.ref_model or not args.lora_r:
             ref = (
@@ -577,6 +511,13 @@ def load_models(args: Args, run: SimpleNamespace):
     except Exception as e:
         fail(load_failure(path, e))
     return tokenizer, policy, ref
+
+
+def print_model(name: str, model, args: Args, run: SimpleNamespace):
+    """One line: the model, its size, where it runs and in what precision."""
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    precision = "bf16 autocast" if args.bf16 else "fp32"
+    print(f"model: {name} ({millions:.2f}M parameters) on {run.device} × {run.world}, {precision}")
 
 
 @torch.no_grad()
@@ -594,6 +535,22 @@ def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
     finally:
         model.generation_config = own
+
+
+@torch.no_grad()
+def greedy_completions(model, prompt_ids, prompt_mask, tokenizer, eos_ids: list[int], args: Args) -> list[str]:
+    """The greedy completions of left-padded prompts, as text: what held-out accuracy is measured on."""
+    out = generate_exactly(
+        model,
+        prompt_ids,
+        prompt_mask,
+        synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
+        do_sample=False,
+        max_new_tokens=args.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_ids,
+    )
+    return tokenizer.batch_decode(out[:, prompt_ids.shape[1] :], skip_special_tokens=True)
 
 
 def start_run(args: Args, script: str) -> SimpleNamespace:
@@ -614,6 +571,7 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
         sys.stdout = open(os.devnull, "w")
     name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
     return SimpleNamespace(
+        script=script,
         rank=rank,
         world=world,
         device=device,
@@ -629,11 +587,15 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
     )
 
 
-def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
-    """Opens the metrics file (and wandb with --track). On --resume, puts back the optimiser, the schedule,
-    the data position (the batches already drawn) and each process's RNG. From here on a signal finishes
-    the step, saves a checkpoint and exits 0. Prints (and logs at step 0) the trainable parameter count.
-    Returns the first step to run."""
+def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, n_rows: int, step_rows: int):
+    """Checks that the training rows fill a step, opens the metrics file (and wandb with --track), and on
+    --resume puts back the optimiser, the schedule, the data position (the batches already drawn) and each
+    process's RNG. From here on a signal finishes the step, saves a checkpoint and exits 0. Prints (and logs
+    at step 0) the trainable parameter count. Returns the batches (endless: `step_rows` row indices a step, a
+    new shuffle each epoch, the same in every process) and the steps left to run, as a progress bar."""
+    if n_rows < step_rows:
+        fail(f"{n_rows} training rows are fewer than one step takes ({step_rows}, over all processes)")
+    batches = common.shuffled_batches(n_rows, step_rows, args.seed)
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
@@ -664,12 +626,16 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%)")
     if not run.state:
         log(run, {"train/trainable_parameters": trainable, "train/parameters": total}, 0)
-    return run.state["step"] + 1 if run.state else 1
+    first_step = run.state["step"] + 1 if run.state else 1
+    progress = tqdm(
+        range(first_step, args.steps + 1), desc=run.script, dynamic_ncols=True, disable=run.rank > 0 or None
+    )
+    return batches, progress
 
 
-def process_share(indices: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
-    """This process's `size` rows of a step's `indices`: micro-batch k of process r is the (k·world + r)-th slice."""
-    return indices[(micro_batch * run.world + run.rank) * size :][:size]
+def process_share(step_batch: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
+    """This process's `size` rows (or indices) of a step's batch: micro-batch k of process r is slice k·world + r."""
+    return step_batch[(micro_batch * run.world + run.rank) * size :][:size]
 
 
 def gradient_sync(model, last: bool):
@@ -703,6 +669,16 @@ def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | No
             else {}
         )
         run.wandb.log({**metrics, **table}, step=step)
+
+
+def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]) -> dict:
+    """Held-out metrics and a few sample completions: logged, and printed above the progress bar."""
+    log(run, metrics, step, samples)
+    for sample in samples[:3]:
+        rest = "".join(f" ({k} {v})" for k, v in sample.items() if k not in ("prompt", "completion"))
+        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r}{rest}")
+    tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
 
 
 def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, optimizer, loss: float) -> float:
@@ -797,6 +773,15 @@ def mean_over_processes(values: dict, device) -> dict:
     t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return dict(zip(values, (t / dist.get_world_size()).tolist()))
+
+
+def gather_lists(items: list) -> list:
+    """Every process's `items`, concatenated in rank order: the same list in every process (one: `items`)."""
+    if not dist.is_initialized():
+        return items
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, items)
+    return [item for share in shares for item in share]
 
 
 def merged_over_processes(cache: torch.Tensor) -> torch.Tensor:

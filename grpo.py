@@ -15,36 +15,14 @@ Shao et al. 2024, DeepSeekMath (arXiv:2402.03300); DeepSeek-R1 (arXiv:2501.12948
 """
 
 import contextlib
-import copy
-import json
-import math
-import os
-import random
-import re
-import shutil
-import signal
-import sys
 import time
-from dataclasses import asdict, dataclass
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import tyro
-from safetensors import safe_open
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
-from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
 import common
 
@@ -278,9 +256,7 @@ def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, a
     )
     completion_ids = out[:, prompt_ids.shape[1] :]
     mask = completion_mask(completion_ids, eos_ids)
-    ended = torch.isin(completion_ids, eos_ids).any(
-        1
-    )  # a row cut by the limit has no padding, so pad == EOS is harmless
+    ended = torch.isin(completion_ids, eos_ids).any(1)  # a row cut by the limit has no padding: pad == EOS is harmless
     return completion_ids * mask + tokenizer.pad_token_id * (1 - mask), mask, ended
 
 
@@ -313,37 +289,26 @@ def score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokeni
 
 @torch.no_grad()
 def evaluate(
-    policy, tokenizer, eos_ids, rows, prompts, reward_model, rm_tokenizer, args: Args, device, autocast
+    policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args: Args, device, autocast
 ) -> tuple[dict, list]:
     """Greedy completions on held-out prompts: accuracy when answers exist, and the mean reward; a few samples."""
     policy.eval()
-    rewards, correct, samples = [], [], []
+    rewards, texts = [], []
     for i in range(0, len(rows), 128):
         batch_rows = rows[i : i + 128]
-        ids, mask = (t.to(device) for t in common.pad(prompts[i : i + 128], tokenizer.pad_token_id, "left"))
+        prompts = common.tokenize_prompts(tokenizer, batch_rows, args.max_prompt_length)
+        ids, mask = (t.to(device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
         with autocast:
             completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
-            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            r = score(
-                batch_rows,
-                texts,
-                torch.cat([ids, completion_ids], 1),
-                torch.cat([mask, cmask], 1),
-                ended,
-                reward_model,
-                rm_tokenizer,
-                args,
-            )
-        rewards += r.tolist()
-        if all(x["answer"] is not None for x in batch_rows):
-            correct += [common.is_correct(t, x["answer"]) for t, x in zip(texts, batch_rows)]
-        samples += [
-            {"prompt": x["prompt"], "completion": t, "reward": v} for x, t, v in zip(batch_rows, texts, r.tolist())
-        ][: max(0, 5 - len(samples))]
+            batch_texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            input_ids, attention_mask = torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1)
+            r = score(batch_rows, batch_texts, input_ids, attention_mask, ended, reward_model, rm_tokenizer, args)
+        rewards, texts = rewards + r.tolist(), texts + batch_texts
     policy.train()
-    metrics = {"eval/reward": float(np.mean(rewards))}
-    if len(correct) == len(rows):
-        metrics["eval/accuracy"] = float(np.mean(correct))
+    metrics = {"eval/reward": sum(rewards) / len(rewards)}
+    if all(x["answer"] is not None for x in rows):
+        metrics["eval/accuracy"] = sum(common.is_correct(t, x["answer"]) for t, x in zip(texts, rows)) / len(rows)
+    samples = [{"prompt": x["prompt"], "completion": t, "reward": v} for x, t, v in zip(rows, texts, rewards[:5])]
     return metrics, samples
 
 
@@ -351,11 +316,9 @@ def main(args: Args):
     run = start_run(args, "grpo")  # flags checked, --resume found, seeds set, torchrun's processes joined
     autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
     tokenizer, policy, ref, reward_model, rm_tokenizer = load_models(args, run)
+    trained = wrap(policy, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
     # every id that ends a completion (chat models: several)
     eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=run.device)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    trained = wrap(policy, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
     if run.world > 1:  # every process samples its own completions
         torch.manual_seed(args.seed + run.rank)
 
@@ -363,42 +326,31 @@ def main(args: Args):
     eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
     if reward_model is None and any(r["answer"] is None for r in train_rows + eval_rows):
         fail(f"dataset '{args.dataset}' has rows without an answer column; pass --reward-model to score completions")
-    prompts = common.tokenize_prompts(tokenizer, train_rows, args.max_prompt_length)
-    eval_prompts = common.tokenize_prompts(tokenizer, eval_rows, args.max_prompt_length)
-    print(
-        f"policy {args.model} on {run.device} × {run.world}; {len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}"
-    )
-    if len(train_rows) < args.prompts_per_step * run.world:
-        fail(
-            f"{len(train_rows)} training prompts are fewer than one step's {args.prompts_per_step * run.world} (prompts per step × processes)"
-        )
+    common.check_prompt_lengths(tokenizer, eval_rows, args.max_prompt_length)
+    print(f"{len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
 
     # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
     trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=True)
     schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
-    # the same order in every process
-    batches = common.shuffled_batches(len(train_rows), args.prompts_per_step * run.world, args.seed)
-    first_step = begin_training(args, run, policy, optimizer, schedule, batches)
+    step_rows = args.prompts_per_step * run.world
+    batches, progress = begin_training(args, run, policy, optimizer, schedule, len(train_rows), step_rows)
 
     def run_eval(step: int) -> dict:
         metrics, samples = evaluate(
-            policy, tokenizer, eos_ids, eval_rows, eval_prompts, reward_model, rm_tokenizer, args, run.device, autocast
+            policy, tokenizer, eos_ids, eval_rows, reward_model, rm_tokenizer, args, run.device, autocast
         )
-        log(run, metrics, step, samples)
-        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        return metrics
+        return log_eval(run, step, metrics, samples)
 
     start = end = run.state["start"] if run.state else run_eval(0)
     G = args.group_size
     objective = dict(
         clip_eps=args.clip_eps, beta=args.beta, loss_type=args.loss_type, max_completion_length=args.max_new_tokens
     )
-    progress = tqdm(range(first_step, args.steps + 1), desc="grpo", dynamic_ncols=True, disable=run.rank > 0 or None)
     for step in progress:
         # 1. sample G completions for each of this process's N prompts from π_θold (the current policy)
-        idx = process_share(next(batches), run, args.prompts_per_step)
-        group_prompts = [prompts[i] for i in idx for _ in range(G)]  # rows i*G … i*G+G-1: one prompt's group
+        rows = [train_rows[i] for i in process_share(next(batches), run, args.prompts_per_step) for _ in range(G)]
+        group_prompts = common.tokenize_prompts(tokenizer, rows, args.max_prompt_length)  # rows i*G … i*G+G-1: a group
         prompt_ids, prompt_mask = (t.to(run.device) for t in common.pad(group_prompts, tokenizer.pad_token_id, "left"))
         t0 = time.time()
         policy.eval()
@@ -410,7 +362,6 @@ def main(args: Args):
         input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
 
         # 2. rewards r_i and group-relative advantages Â_i
-        rows = [train_rows[i] for i in idx for _ in range(G)]
         with autocast:
             rewards = score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokenizer, args)
         advantages = group_advantages(rewards, G, scale=args.scale_rewards)
@@ -478,6 +429,33 @@ def main(args: Args):
 # errors. Not part of the method: the helpers below that do the same thing in several scripts are textually the
 # same in each (tests/test_copies.py checks it).
 # ======================================================================================================
+# the infrastructure's own imports: here, beside it, so that the top of the file shows what the method needs
+import copy
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import numpy as np
+import tyro
+from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+
+
 # -------------------------------------------------- models: loading, LoRA adapters, sampling settings
 def load_model(
     path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs
@@ -582,6 +560,9 @@ def load_models(args: Args, run: SimpleNamespace):
         policy = load_model(path, args.trust_remote_code)
         path = run.checkpoint or path
         policy = add_lora(policy, args, checkpoint=run.checkpoint).to(run.device)
+        print_model(f"policy {args.model}", policy, args, run)
+        if args.gradient_checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if args.beta != 0 and not args.lora_r:  # LoRA: π_ref is the policy with its adapter switched off
             path = args.model
             ref = load_model(path, args.trust_remote_code) if run.checkpoint else copy.deepcopy(policy)
@@ -593,6 +574,13 @@ def load_models(args: Args, run: SimpleNamespace):
     except Exception as e:
         fail(load_failure(path, e))
     return tokenizer, policy, ref, reward_model, rm_tokenizer
+
+
+def print_model(name: str, model, args: Args, run: SimpleNamespace):
+    """One line: the model, its size, where it runs and in what precision."""
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    precision = "bf16 autocast" if args.bf16 else "fp32"
+    print(f"model: {name} ({millions:.2f}M parameters) on {run.device} × {run.world}, {precision}")
 
 
 @torch.no_grad()
@@ -630,6 +618,7 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
         sys.stdout = open(os.devnull, "w")
     name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
     return SimpleNamespace(
+        script=script,
         rank=rank,
         world=world,
         device=device,
@@ -645,11 +634,15 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
     )
 
 
-def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
-    """Opens the metrics file (and wandb with --track). On --resume, puts back the optimiser, the schedule,
-    the data position (the batches already drawn) and each process's RNG. From here on a signal finishes
-    the step, saves a checkpoint and exits 0. Prints (and logs at step 0) the trainable parameter count.
-    Returns the first step to run."""
+def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, n_rows: int, step_rows: int):
+    """Checks that the training rows fill a step, opens the metrics file (and wandb with --track), and on
+    --resume puts back the optimiser, the schedule, the data position (the batches already drawn) and each
+    process's RNG. From here on a signal finishes the step, saves a checkpoint and exits 0. Prints (and logs
+    at step 0) the trainable parameter count. Returns the batches (endless: `step_rows` row indices a step, a
+    new shuffle each epoch, the same in every process) and the steps left to run, as a progress bar."""
+    if n_rows < step_rows:
+        fail(f"{n_rows} training rows are fewer than one step takes ({step_rows}, over all processes)")
+    batches = common.shuffled_batches(n_rows, step_rows, args.seed)
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
@@ -680,12 +673,16 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%)")
     if not run.state:
         log(run, {"train/trainable_parameters": trainable, "train/parameters": total}, 0)
-    return run.state["step"] + 1 if run.state else 1
+    first_step = run.state["step"] + 1 if run.state else 1
+    progress = tqdm(
+        range(first_step, args.steps + 1), desc=run.script, dynamic_ncols=True, disable=run.rank > 0 or None
+    )
+    return batches, progress
 
 
-def process_share(indices: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
-    """This process's `size` rows of a step's `indices`: micro-batch k of process r is the (k·world + r)-th slice."""
-    return indices[(micro_batch * run.world + run.rank) * size :][:size]
+def process_share(step_batch: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
+    """This process's `size` rows (or indices) of a step's batch: micro-batch k of process r is slice k·world + r."""
+    return step_batch[(micro_batch * run.world + run.rank) * size :][:size]
 
 
 def gradient_sync(model, last: bool):
@@ -719,6 +716,16 @@ def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | No
             else {}
         )
         run.wandb.log({**metrics, **table}, step=step)
+
+
+def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]) -> dict:
+    """Held-out metrics and a few sample completions: logged, and printed above the progress bar."""
+    log(run, metrics, step, samples)
+    for sample in samples[:3]:
+        rest = "".join(f" ({k} {v})" for k, v in sample.items() if k not in ("prompt", "completion"))
+        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r}{rest}")
+    tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
 
 
 def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, optimizer, loss: float) -> float:

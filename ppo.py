@@ -17,35 +17,13 @@ Schulman et al. 2017 (arXiv:1707.06347), GAE: Schulman et al. 2016 (arXiv:1506.0
 """
 
 import contextlib
-import copy
-import json
-import math
-import os
-import random
-import re
-import shutil
-import signal
-import sys
 import time
-from dataclasses import asdict, dataclass
-from types import SimpleNamespace
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import tyro
-from safetensors import safe_open
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
-from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
 import common
 
@@ -318,9 +296,7 @@ def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, a
     )
     completion_ids = out[:, prompt_ids.shape[1] :]
     mask = completion_mask(completion_ids, eos_ids)
-    ended = torch.isin(completion_ids, eos_ids).any(
-        1
-    )  # a row cut by the limit has no padding, so pad == EOS is harmless
+    ended = torch.isin(completion_ids, eos_ids).any(1)  # a row cut by the limit has no padding: pad == EOS is harmless
     return completion_ids * mask + tokenizer.pad_token_id * (1 - mask), mask, ended
 
 
@@ -342,38 +318,28 @@ def reward_scores(
 
 @torch.no_grad()
 def evaluate(
-    policy, tokenizer, eos_ids, rows, prompts, reward_model, rm_tokenizer, args: Args, device, autocast
+    policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args: Args, device, autocast
 ) -> tuple[dict, list]:
     """Greedy completions on held-out prompts: accuracy when answers exist, and the mean score; a few samples."""
     policy.eval()
-    scores, correct, samples = [], [], []
-    has_answers = all(r["answer"] is not None for r in rows)
+    scores, texts = [], []
     for i in range(0, len(rows), 128):
         batch_rows = rows[i : i + 128]
-        ids, mask = (t.to(device) for t in common.pad(prompts[i : i + 128], tokenizer.pad_token_id, "left"))
+        prompts = common.tokenize_prompts(tokenizer, batch_rows, args.max_prompt_length)
+        ids, mask = (t.to(device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
         with autocast:
             completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
-            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            batch_texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            input_ids, attention_mask = torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1)
             s = reward_scores(
-                reward_model,
-                rm_tokenizer,
-                torch.cat([ids, completion_ids], 1),
-                torch.cat([mask, cmask], 1),
-                batch_rows,
-                texts,
-                ended,
-                args,
+                reward_model, rm_tokenizer, input_ids, attention_mask, batch_rows, batch_texts, ended, args
             )
-        scores += s.tolist()
-        if has_answers:
-            correct += [common.is_correct(t, r["answer"]) for t, r in zip(texts, batch_rows)]
-        samples += [
-            {"prompt": r["prompt"], "completion": t, "score": v} for r, t, v in zip(batch_rows, texts, s.tolist())
-        ][: max(0, 5 - len(samples))]
+        scores, texts = scores + s.tolist(), texts + batch_texts
     policy.train()
-    metrics = {"eval/score": float(np.mean(scores))}
-    if has_answers:
-        metrics["eval/accuracy"] = float(np.mean(correct))
+    metrics = {"eval/score": sum(scores) / len(scores)}
+    if all(r["answer"] is not None for r in rows):
+        metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
+    samples = [{"prompt": r["prompt"], "completion": t, "score": v} for r, t, v in zip(rows, texts, scores[:5])]
     return metrics, samples
 
 
@@ -383,9 +349,6 @@ def main(args: Args):
     tokenizer, policy, critic, ref, reward_model, rm_tokenizer = load_models(args, run)
     # every id that ends a completion (chat models: several)
     eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=run.device)
-    if args.gradient_checkpointing:
-        for model in (policy, critic):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trained = wrap(policy, args, run.device)  # the policy's training forward goes through the DDP/FSDP2 wrapper
     critic = wrap_critic(critic, args)
     both = torch.nn.ModuleDict({"policy": policy, "critic": critic})  # one optimiser, one checkpoint for the two
@@ -394,40 +357,28 @@ def main(args: Args):
 
     train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
-    prompts = common.tokenize_prompts(tokenizer, train_rows, args.max_prompt_length)
-    eval_prompts = common.tokenize_prompts(tokenizer, eval_rows, args.max_prompt_length)
-    print(
-        f"policy {args.model}, reward model {args.reward_model} on {run.device} × {run.world}; "
-        f"{len(train_rows)} train / {len(eval_rows)} held-out prompts"
-    )
-    if len(train_rows) < args.prompts_per_step * run.world:
-        fail(
-            f"{len(train_rows)} training prompts are fewer than one step's {args.prompts_per_step * run.world} (prompts per step × processes)"
-        )
+    common.check_prompt_lengths(tokenizer, eval_rows, args.max_prompt_length)
+    print(f"{len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
 
     # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
     trainable = [p for p in both.parameters() if p.requires_grad]  # LoRA: the two adapters and the value head
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=True)
     schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
-    # the same order in every process
-    batches = common.shuffled_batches(len(train_rows), args.prompts_per_step * run.world, args.seed)
-    first_step = begin_training(args, run, both, optimizer, schedule, batches)
+    step_rows = args.prompts_per_step * run.world
+    batches, progress = begin_training(args, run, both, optimizer, schedule, len(train_rows), step_rows)
 
     def run_eval(step: int) -> dict:
         metrics, samples = evaluate(
-            policy, tokenizer, eos_ids, eval_rows, eval_prompts, reward_model, rm_tokenizer, args, run.device, autocast
+            policy, tokenizer, eos_ids, eval_rows, reward_model, rm_tokenizer, args, run.device, autocast
         )
-        log(run, metrics, step, samples)
-        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        return metrics
+        return log_eval(run, step, metrics, samples)
 
     start = end = run.state["start"] if run.state else run_eval(0)
-    progress = tqdm(range(first_step, args.steps + 1), desc="ppo", dynamic_ncols=True, disable=run.rank > 0 or None)
     for step in progress:
         # 1. rollout: sample completions from π_θold, score them, and record everything PPO needs
-        idx = process_share(next(batches), run, args.prompts_per_step)
-        rows, batch_prompts = [train_rows[i] for i in idx], [prompts[i] for i in idx]
-        prompt_ids, prompt_mask = (t.to(run.device) for t in common.pad(batch_prompts, tokenizer.pad_token_id, "left"))
+        rows = [train_rows[i] for i in process_share(next(batches), run, args.prompts_per_step)]
+        prompts = common.tokenize_prompts(tokenizer, rows, args.max_prompt_length)
+        prompt_ids, prompt_mask = (t.to(run.device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
         t0 = time.time()
         policy.eval()
         with autocast:
@@ -451,13 +402,12 @@ def main(args: Args):
         advantages = whiten(advantages, mask)
 
         # 3. update: num_ppo_epochs passes over num_mini_batches minibatches, one optimiser step each
-        stats = {"policy_loss": [], "value_loss": [], "clip_fraction": [], "approx_kl": [], "value_clip_fraction": []}
-        mb_size = len(input_ids) // args.num_mini_batches
+        stats = dict.fromkeys(["policy_loss", "value_loss", "clip_fraction", "approx_kl", "value_clip_fraction"], 0.0)
+        mb_size, n_updates = len(input_ids) // args.num_mini_batches, args.num_ppo_epochs * args.num_mini_batches
         for _ in range(args.num_ppo_epochs):
             order = torch.randperm(len(input_ids), device=run.device)
             for mb in order[: mb_size * args.num_mini_batches].split(mb_size):
-                loss, mb_stats = 0.0, dict.fromkeys(stats, 0.0)
-                micros = mb.chunk(args.grad_accum_steps)
+                loss, micros = 0.0, mb.chunk(args.grad_accum_steps)
                 for k, micro in enumerate(micros):
                     share = mask[micro].sum() / mask[mb].sum()  # both losses are token means over the minibatch
                     with gradient_sync(trained, last=k == len(micros) - 1):
@@ -473,25 +423,18 @@ def main(args: Args):
                         ((pg_loss + args.vf_coef * vf_loss) * share).backward()
                     loss += (pg_loss + args.vf_coef * vf_loss).item() * share.item()
                     vf_clipped = ((values - old_values[micro]).abs() > args.clip_eps_value).float()
-                    for key, value in [
-                        ("policy_loss", pg_loss),
-                        ("value_loss", vf_loss),
-                        ("clip_fraction", pg_stats["clip_fraction"]),
-                        ("approx_kl", pg_stats["approx_kl"]),
-                        ("value_clip_fraction", masked_mean(vf_clipped, mask[micro])),
-                    ]:
-                        mb_stats[key] += share.item() * value.item()
+                    micro_stats = dict(policy_loss=pg_loss, value_loss=vf_loss, **pg_stats)
+                    micro_stats["value_clip_fraction"] = masked_mean(vf_clipped, mask[micro])
+                    for key, value in micro_stats.items():  # means over the minibatches of the round
+                        stats[key] += share.item() * value.item() / n_updates
                 average_gradients(critic, args)
                 loss = mean_over_processes({"loss": loss}, run.device)["loss"]
                 optimizer_step(args, run, step, [policy, critic], optimizer, loss)
-                for key in stats:
-                    stats[key].append(mb_stats[key])
         schedule.step()
 
         # 4. log, evaluate, checkpoint
         kl = ((old_logps - ref_logps) * mask).sum(1)  # per-sequence KL estimate to the reference
-        metrics = {key: float(np.mean(values)) for key, values in stats.items()}
-        metrics.update(
+        stats.update(
             score=scores.mean().item(),
             kl=kl.mean().item(),
             rlhf_reward=(scores - args.kl_coef * kl).mean().item(),
@@ -501,7 +444,7 @@ def main(args: Args):
             skipped_steps=run.skipped,
             generation_s=gen_time,
         )
-        metrics = mean_over_processes({f"train/{k}": v for k, v in metrics.items()}, run.device)
+        metrics = mean_over_processes({f"train/{k}": v for k, v in stats.items()}, run.device)
         log(run, metrics, step)
         progress.set_postfix(score=f"{metrics['train/score']:.3f}", kl=f"{metrics['train/kl']:.3f}")
         if step % args.eval_every == 0 or step == args.steps:
@@ -516,6 +459,33 @@ def main(args: Args):
 # errors. Not part of the method: the helpers below that do the same thing in several scripts are textually the
 # same in each (tests/test_copies.py checks it).
 # ======================================================================================================
+# the infrastructure's own imports: here, beside it, so that the top of the file shows what the method needs
+import copy
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import numpy as np
+import tyro
+from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+
+
 # -------------------------------------------------- models: loading, LoRA adapters, sampling settings
 def load_model(
     path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs
@@ -641,7 +611,18 @@ def load_models(args: Args, run: SimpleNamespace):
     except Exception as e:
         fail(load_failure(path, e))
     reward_model.to(run.device, frozen_dtype).requires_grad_(False).eval()
+    print_model(f"policy {args.model}", policy, args, run)
+    if args.gradient_checkpointing:
+        for model in (policy, critic):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return tokenizer, policy, critic.to(run.device), ref, reward_model, rm_tokenizer
+
+
+def print_model(name: str, model, args: Args, run: SimpleNamespace):
+    """One line: the model, its size, where it runs and in what precision."""
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    precision = "bf16 autocast" if args.bf16 else "fp32"
+    print(f"model: {name} ({millions:.2f}M parameters) on {run.device} × {run.world}, {precision}")
 
 
 @torch.no_grad()
@@ -679,6 +660,7 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
         sys.stdout = open(os.devnull, "w")
     name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
     return SimpleNamespace(
+        script=script,
         rank=rank,
         world=world,
         device=device,
@@ -694,11 +676,15 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
     )
 
 
-def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
-    """Opens the metrics file (and wandb with --track). On --resume, puts back the optimiser, the schedule,
-    the data position (the batches already drawn) and each process's RNG. From here on a signal finishes
-    the step, saves a checkpoint and exits 0. Prints (and logs at step 0) the trainable parameter count.
-    Returns the first step to run."""
+def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, n_rows: int, step_rows: int):
+    """Checks that the training rows fill a step, opens the metrics file (and wandb with --track), and on
+    --resume puts back the optimiser, the schedule, the data position (the batches already drawn) and each
+    process's RNG. From here on a signal finishes the step, saves a checkpoint and exits 0. Prints (and logs
+    at step 0) the trainable parameter count. Returns the batches (endless: `step_rows` row indices a step, a
+    new shuffle each epoch, the same in every process) and the steps left to run, as a progress bar."""
+    if n_rows < step_rows:
+        fail(f"{n_rows} training rows are fewer than one step takes ({step_rows}, over all processes)")
+    batches = common.shuffled_batches(n_rows, step_rows, args.seed)
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
@@ -729,12 +715,16 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%)")
     if not run.state:
         log(run, {"train/trainable_parameters": trainable, "train/parameters": total}, 0)
-    return run.state["step"] + 1 if run.state else 1
+    first_step = run.state["step"] + 1 if run.state else 1
+    progress = tqdm(
+        range(first_step, args.steps + 1), desc=run.script, dynamic_ncols=True, disable=run.rank > 0 or None
+    )
+    return batches, progress
 
 
-def process_share(indices: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
-    """This process's `size` rows of a step's `indices`: micro-batch k of process r is the (k·world + r)-th slice."""
-    return indices[(micro_batch * run.world + run.rank) * size :][:size]
+def process_share(step_batch: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
+    """This process's `size` rows (or indices) of a step's batch: micro-batch k of process r is slice k·world + r."""
+    return step_batch[(micro_batch * run.world + run.rank) * size :][:size]
 
 
 def gradient_sync(model, last: bool):
@@ -768,6 +758,16 @@ def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | No
             else {}
         )
         run.wandb.log({**metrics, **table}, step=step)
+
+
+def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]) -> dict:
+    """Held-out metrics and a few sample completions: logged, and printed above the progress bar."""
+    log(run, metrics, step, samples)
+    for sample in samples[:3]:
+        rest = "".join(f" ({k} {v})" for k, v in sample.items() if k not in ("prompt", "completion"))
+        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r}{rest}")
+    tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
 
 
 def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, optimizer, loss: float) -> float:

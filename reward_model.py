@@ -14,33 +14,13 @@ labellers also ranked the policy's own samples): those are the answers PPO will 
     python reward_model.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized --lr 1e-5
 """
 
-import json
-import math
-import os
 import random
-import re
-import shutil
-import signal
-import sys
 import time
-from dataclasses import asdict, dataclass
-from types import SimpleNamespace
+from dataclasses import dataclass
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-import tyro
-from safetensors import safe_open
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
 import common
 
@@ -70,6 +50,8 @@ class Args:
     dataset's fixed pairs)"""
     sample_temperature: float = 0.7
     """temperature of those samples (ppo.py samples at 0.7 too)"""
+    max_new_tokens: int = 8
+    """length limit of those samples (the built-in task's answers have at most 4 digits)"""
     sample_prompts: int = 60000
     """training prompts sampled for those pairs (only prompts with a right and a wrong sample give a pair)"""
     # optimisation
@@ -152,111 +134,75 @@ def reward_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) 
     return model.score(hidden[torch.arange(len(last), device=hidden.device), last]).squeeze(-1).float()
 
 
-def pair_batch(prompts, rows, tokenizer, max_length: int, device, eos_ids: list[int] | None = None) -> dict:
-    """Chosen (first B rows) and rejected (last B rows) completions after their (tokenized) prompt, one batch."""
-    completions = common.tokenize(
-        tokenizer,
-        [r["chosen"] for r in rows] + [r["rejected"] for r in rows],
-        add_eos=True,
-        max_length=max_length,
-        eos_ids=eos_ids,
-    )
-    return {k: v.to(device) for k, v in common.collate(prompts * 2, completions, tokenizer.pad_token_id).items()}
+def pair_batch(tokenizer, rows: list[dict], max_length: int, device, eos_ids: list[int] | None = None) -> dict:
+    """Chosen (first B rows) then rejected (last B rows), each after its prompt and ending with EOS: one batch."""
+    completions = [r["chosen"] for r in rows] + [r["rejected"] for r in rows]
+    return common.completion_batch(tokenizer, rows * 2, completions, max_length, eos_ids, device)
 
 
-def sample_pairs(
-    model,
-    tokenizer,
-    prompts,
-    rows,
-    k: int,
-    temperature: float,
-    max_new_tokens: int,
-    batch_size: int,
-    device,
-    show_progress: bool = True,
-) -> list[dict]:
-    """Pairs from a causal LM's own samples, labelled by the answer key: k completions per prompt; a prompt
-    with a correct and a wrong one gives {prompt, chosen: the first correct, rejected: a wrong one at random}."""
-    pairs = []
-    for i in tqdm(
-        range(0, len(rows), batch_size), desc="sampling pairs", disable=not show_progress or None, leave=False
-    ):
-        ids, mask = common.pad(prompts[i : i + batch_size], tokenizer.pad_token_id, "left")
-        out = generate_exactly(
-            model,
-            ids.to(device),
-            mask.to(device),
-            do_sample=True,
-            temperature=temperature,
-            num_return_sequences=k,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=common.eos_token_ids(tokenizer, model.generation_config),
-        )
+@torch.no_grad()
+def sample_pairs(model, tokenizer, rows: list[dict], args: Args, run, autocast) -> list[dict]:
+    """Pairs from the model's own samples, labelled by the answer key: --sample-pairs completions of each prompt
+    at --sample-temperature; a prompt with a correct and a wrong one gives {prompt, chosen: the first correct,
+    rejected: a wrong one at random}. (The DPO paper builds its controlled-experiment pairs the same way:
+    samples of π_SFT, scored by a judge.) Each process samples a share of the rows; all get every pair."""
+    k, n, pairs, t0 = args.sample_pairs, 8 * args.batch_size, [], time.time()
+    mine = rows[run.rank * len(rows) // run.world : (run.rank + 1) * len(rows) // run.world]
+    for i in tqdm(range(0, len(mine), n), desc="sampling pairs", disable=run.rank > 0 or None, leave=False):
+        batch_rows = mine[i : i + n]
+        prompts = common.tokenize_prompts(tokenizer, batch_rows, args.max_length)
+        ids, mask = (t.to(run.device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
+        with autocast:
+            out = generate_exactly(
+                model,
+                ids,
+                mask,
+                do_sample=True,
+                temperature=args.sample_temperature,
+                num_return_sequences=k,
+                max_new_tokens=args.max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=common.eos_token_ids(tokenizer, model.generation_config),
+            )
         texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
-        for j, row in enumerate(rows[i : i + batch_size]):
+        for j, row in enumerate(batch_rows):
             right = [t for t in texts[j * k : (j + 1) * k] if common.is_correct(t, row["answer"])]
             wrong = [t for t in texts[j * k : (j + 1) * k] if not common.is_correct(t, row["answer"])]
             if right and wrong:
                 pairs.append({"prompt": row["prompt"], "chosen": right[0], "rejected": random.choice(wrong)})
+    pairs = gather_lists(pairs)
+    print(
+        f"sampled {k} completions at T={args.sample_temperature} for each of {len(rows)} prompts: {len(pairs)} "
+        f"had a right and a wrong one → a pair ({time.time() - t0:.0f} s)"
+    )
     return pairs
 
 
-def own_pairs(args: Args, run: SimpleNamespace, lm, tokenizer, rows: list[dict], autocast) -> list[dict]:
-    """sample_pairs from the starting model over `rows`, each process a share, gathered: every process gets the same pairs."""
-    mine = rows[run.rank * len(rows) // run.world : (run.rank + 1) * len(rows) // run.world]
-    prompt_ids = common.tokenize_prompts(tokenizer, mine, args.max_length)
-    with autocast:  # 8 new tokens: the built-in task's answers have at most 4 digits
-        pairs = sample_pairs(
-            lm,
-            tokenizer,
-            prompt_ids,
-            mine,
-            args.sample_pairs,
-            args.sample_temperature,
-            8,
-            8 * args.batch_size,
-            run.device,
-            show_progress=run.rank == 0,
-        )
-    shares = [pairs]
-    if dist.is_initialized():
-        shares = [None] * run.world
-        dist.all_gather_object(shares, pairs)
-    return [pair for share in shares for pair in share]
-
-
 @torch.no_grad()
-def evaluate(model, tokenizer, eos_ids, rows, prompts, args: Args, device, autocast) -> dict:
+def evaluate(model, tokenizer, eos_ids, rows, args: Args, device, autocast) -> dict:
     """Held-out pairwise accuracy (the share of pairs with r_w > r_l) and mean margin r_w − r_l."""
     model.eval()
     wins, margins = [], []
     for i in range(0, len(rows), args.batch_size):  # never more memory than a training batch
-        batch = pair_batch(
-            prompts[i : i + args.batch_size], rows[i : i + args.batch_size], tokenizer, args.max_length, device, eos_ids
-        )
+        batch = pair_batch(tokenizer, rows[i : i + args.batch_size], args.max_length, device, eos_ids)
         with autocast:
             chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
         wins += (chosen > rejected).tolist()
         margins += (chosen - rejected).tolist()
     model.train()
-    return {"eval/accuracy": float(np.mean(wins)), "eval/margin": float(np.mean(margins))}
+    return {"eval/accuracy": sum(wins) / len(wins), "eval/margin": sum(margins) / len(margins)}
 
 
 @torch.no_grad()
-def centre_rewards(model, tokenizer, eos_ids, rows, prompts, args: Args, device, autocast) -> float:
+def centre_rewards(model, tokenizer, eos_ids, rows, args: Args, device, autocast) -> float:
     """Centres the rewards PPO will see: the mean score over (up to 1024) training completions becomes 0. The
     usual head (nn.Linear without bias) has no bias to shift; then the offset is saved as
     config.reward_offset, which grpo.py and ppo.py subtract from every score. Returns the offset."""
     model.eval()
-    sample = list(range(0, len(rows), max(1, len(rows) // 1024)))[:1024]
+    sample = rows[:: max(1, len(rows) // 1024)][:1024]
     scores = []
-    for k in range(0, len(sample), args.batch_size):
-        chunk = sample[k : k + args.batch_size]
-        batch = pair_batch(
-            [prompts[i] for i in chunk], [rows[i] for i in chunk], tokenizer, args.max_length, device, eos_ids
-        )
+    for i in range(0, len(sample), args.batch_size):
+        batch = pair_batch(tokenizer, sample[i : i + args.batch_size], args.max_length, device, eos_ids)
         with autocast:
             scores.append(reward_scores(model, batch["input_ids"], batch["attention_mask"]))
     offset = torch.cat(scores).mean().item()
@@ -274,73 +220,51 @@ def main(args: Args):
 
     # 1. r_ϕ: the starting model with a new scalar head (from the checkpoint on resume)
     tokenizer, model, eos_ids = load_models(args, run)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = wrap(model, args)
 
     # 2. preference pairs (x, y_w, y_l): the dataset's, or on the built-in task the starting model's own samples
     train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
+    common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
     sampled = bool(run.state and "pairs" in run.state)
     if sampled:  # resumed: the very pairs the run started with
         train_rows, eval_rows = run.state["pairs"]
     elif args.sample_pairs and all(r.get("answer") is not None for r in eval_rows):
         # The fixed pairs' slips are not the mistakes the policy makes: a reward model trained on them picks
-        # wrong answers among the policy's own samples, and PPO learns to give them (see README).
-        t_sample = time.time()
-        lm = load_model(args.model, args.trust_remote_code).to(run.device).eval()
-        n_prompts, n_eval = min(len(train_rows), args.sample_prompts), len(eval_rows)
+        # wrong answers among the policy's own samples, and PPO learns to give them.
+        sampled, lm = True, load_model(args.model, args.trust_remote_code).to(run.device).eval()
         # held-out first, so that its pairs do not depend on --sample-prompts
-        eval_rows = own_pairs(args, run, lm, tokenizer, eval_rows, autocast)
-        train_rows, sampled = own_pairs(args, run, lm, tokenizer, train_rows[:n_prompts], autocast), True
+        eval_rows = sample_pairs(lm, tokenizer, eval_rows, args, run, autocast)
+        train_rows = sample_pairs(lm, tokenizer, train_rows[: args.sample_prompts], args, run, autocast)
         del lm
         if not eval_rows:
             fail(
-                f"none of the {n_eval} held-out prompts had both a right and a wrong sample: raise --eval-size or "
+                "none of the held-out prompts had both a right and a wrong sample: raise --eval-size or "
                 "--sample-pairs, or pass --sample-pairs 0 for the fixed pairs"
             )
-        print(
-            f"sampled {args.sample_pairs} completions at T={args.sample_temperature} for each of {n_prompts} train and {n_eval} "
-            f"held-out prompts from {args.model}: a right and a wrong one → a pair ({time.time() - t_sample:.0f} s)"
-        )
-    prompts = common.tokenize_prompts(tokenizer, train_rows, args.max_length)
-    eval_prompts = common.tokenize_prompts(tokenizer, eval_rows, args.max_length)
-    print(
-        f"reward model from {args.model} on {run.device} × {run.world}; {len(train_rows)} train / {len(eval_rows)} held-out pairs"
-    )
-    step_rows = args.batch_size * args.grad_accum_steps * run.world
-    if len(train_rows) < step_rows:
-        fail(
-            f"{len(train_rows)} training pairs are fewer than one step's {step_rows} (batch size × accumulation steps × processes)"
-        )
+    print(f"{len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}")
 
     # 3. AdamW (fused: one kernel, no parameter-sized temporaries), linear warm-up then linear decay to 0
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters and the score head
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=True)
     schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=args.lr_decay)
-    # the same order in every process
-    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)
-    first_step = begin_training(args, run, model, optimizer, schedule, batches)
+    step_rows = args.batch_size * args.grad_accum_steps * run.world
+    batches, progress = begin_training(args, run, model, optimizer, schedule, len(train_rows), step_rows)
 
     def run_eval(step: int) -> dict:
-        metrics = evaluate(model, tokenizer, eos_ids, eval_rows, eval_prompts, args, run.device, autocast)
-        log(run, metrics, step)
-        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        return metrics
+        return log_eval(run, step, evaluate(model, tokenizer, eos_ids, eval_rows, args, run.device, autocast), [])
 
     def extra_state() -> dict:  # sampled pairs are saved with the checkpoint: a resumed run trains on the same
         return {"pairs": [train_rows, eval_rows]} if sampled else {}
 
     start = end = run.state["start"] if run.state else run_eval(0)
-    progress = tqdm(range(first_step, args.steps + 1), desc="reward", dynamic_ncols=True, disable=run.rank > 0 or None)
     for step in progress:
         # 4. the Bradley–Terry loss on a batch of pairs, gradients summed over micro-batches and processes
         idx = next(batches)
         totals = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0}
         for k in range(args.grad_accum_steps):
-            mine = process_share(idx, run, args.batch_size, micro_batch=k)
-            rows = [train_rows[i] for i in mine]
-            batch = pair_batch([prompts[i] for i in mine], rows, tokenizer, args.max_length, run.device, eos_ids)
+            rows = [train_rows[i] for i in process_share(idx, run, args.batch_size, micro_batch=k)]
+            batch = pair_batch(tokenizer, rows, args.max_length, run.device, eos_ids)
             with autocast:  # chosen and rejected in one forward pass
                 chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
             margin = torch.tensor([r["margin"] for r in rows], device=run.device) if "margin" in rows[0] else None
@@ -367,7 +291,7 @@ def main(args: Args):
         maybe_checkpoint(args, run, step, model, tokenizer, optimizer, schedule, start, extra_state)
 
     # 6. centre the rewards (mean 0 over training completions), then save
-    offset = centre_rewards(model, tokenizer, eos_ids, train_rows, prompts, args, run.device, autocast)
+    offset = centre_rewards(model, tokenizer, eos_ids, train_rows, args, run.device, autocast)
     print(f"mean training reward {offset:+.4f} centred to 0")
     finish_run(args, run, model, tokenizer, start, end)
 
@@ -377,6 +301,31 @@ def main(args: Args):
 # errors. Not part of the method: the helpers below that do the same thing in several scripts are textually the
 # same in each (tests/test_copies.py checks it).
 # ======================================================================================================
+# the infrastructure's own imports: here, beside it, so that the top of the file shows what the method needs
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import numpy as np
+import torch.distributed as dist
+import tyro
+from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+
+
 # -------------------------------------------------- models: loading, LoRA adapters, sampling settings
 def load_model(
     path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs
@@ -476,11 +425,21 @@ def load_models(args: Args, run: SimpleNamespace):
         model = add_lora(model, args, "SEQ_CLS", checkpoint=run.checkpoint).to(run.device).train()
     except Exception as e:
         fail(load_failure(path, e))
+    print_model(f"reward model from {args.model}", model, args, run)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
         eos_ids = common.eos_token_ids(tokenizer, GenerationConfig.from_pretrained(args.model))
     except OSError:  # none saved
         eos_ids = common.eos_token_ids(tokenizer)
     return tokenizer, model, eos_ids
+
+
+def print_model(name: str, model, args: Args, run: SimpleNamespace):
+    """One line: the model, its size, where it runs and in what precision."""
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    precision = "bf16 autocast" if args.bf16 else "fp32"
+    print(f"model: {name} ({millions:.2f}M parameters) on {run.device} × {run.world}, {precision}")
 
 
 def start_run(args: Args, script: str) -> SimpleNamespace:
@@ -501,6 +460,7 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
         sys.stdout = open(os.devnull, "w")
     name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
     return SimpleNamespace(
+        script=script,
         rank=rank,
         world=world,
         device=device,
@@ -516,11 +476,15 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
     )
 
 
-def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
-    """Opens the metrics file (and wandb with --track). On --resume, puts back the optimiser, the schedule,
-    the data position (the batches already drawn) and each process's RNG. From here on a signal finishes
-    the step, saves a checkpoint and exits 0. Prints (and logs at step 0) the trainable parameter count.
-    Returns the first step to run."""
+def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, n_rows: int, step_rows: int):
+    """Checks that the training rows fill a step, opens the metrics file (and wandb with --track), and on
+    --resume puts back the optimiser, the schedule, the data position (the batches already drawn) and each
+    process's RNG. From here on a signal finishes the step, saves a checkpoint and exits 0. Prints (and logs
+    at step 0) the trainable parameter count. Returns the batches (endless: `step_rows` row indices a step, a
+    new shuffle each epoch, the same in every process) and the steps left to run, as a progress bar."""
+    if n_rows < step_rows:
+        fail(f"{n_rows} training rows are fewer than one step takes ({step_rows}, over all processes)")
+    batches = common.shuffled_batches(n_rows, step_rows, args.seed)
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
@@ -551,12 +515,16 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%)")
     if not run.state:
         log(run, {"train/trainable_parameters": trainable, "train/parameters": total}, 0)
-    return run.state["step"] + 1 if run.state else 1
+    first_step = run.state["step"] + 1 if run.state else 1
+    progress = tqdm(
+        range(first_step, args.steps + 1), desc=run.script, dynamic_ncols=True, disable=run.rank > 0 or None
+    )
+    return batches, progress
 
 
-def process_share(indices: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
-    """This process's `size` rows of a step's `indices`: micro-batch k of process r is the (k·world + r)-th slice."""
-    return indices[(micro_batch * run.world + run.rank) * size :][:size]
+def process_share(step_batch: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
+    """This process's `size` rows (or indices) of a step's batch: micro-batch k of process r is slice k·world + r."""
+    return step_batch[(micro_batch * run.world + run.rank) * size :][:size]
 
 
 def lr_schedule(optimizer, warmup_steps: int, steps: int, decay: bool):
@@ -585,6 +553,16 @@ def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | No
             else {}
         )
         run.wandb.log({**metrics, **table}, step=step)
+
+
+def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]) -> dict:
+    """Held-out metrics and a few sample completions: logged, and printed above the progress bar."""
+    log(run, metrics, step, samples)
+    for sample in samples[:3]:
+        rest = "".join(f" ({k} {v})" for k, v in sample.items() if k not in ("prompt", "completion"))
+        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r}{rest}")
+    tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
 
 
 def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, optimizer, loss: float) -> float:
@@ -689,6 +667,15 @@ def mean_over_processes(values: dict, device) -> dict:
     t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return dict(zip(values, (t / dist.get_world_size()).tolist()))
+
+
+def gather_lists(items: list) -> list:
+    """Every process's `items`, concatenated in rank order: the same list in every process (one: `items`)."""
+    if not dist.is_initialized():
+        return items
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, items)
+    return [item for share in shares for item in share]
 
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU, for rank 0 to write
@@ -941,6 +928,7 @@ def check_args(args: Args):
             "max_grad_norm",
             "sample_temperature",
             "sample_prompts",
+            "max_new_tokens",
             "max_length",
             "eval_every",
             "eval_size",

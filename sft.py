@@ -14,35 +14,12 @@ fine-tunes any causal LM on any prompt/completion or messages dataset.
     python sft.py --model Qwen/Qwen2.5-0.5B --dataset trl-lib/Capybara --lr 2e-5 --batch-size 16
 """
 
-import contextlib
-import json
-import math
-import os
-import random
-import re
-import shutil
-import signal
-import sys
-import time
-from dataclasses import asdict, dataclass
-from types import SimpleNamespace
+from dataclasses import dataclass
 
-import numpy as np
 import torch
-import torch.distributed as dist
-import tyro
-from safetensors import safe_open
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
 import common
 
@@ -177,25 +154,6 @@ def sft_loss(logps: torch.Tensor, mask: torch.Tensor, num_tokens: float | None =
 
 
 # ---------------------------------------------------------------- the method's helpers
-def tiny_model(tokenizer, args: Args):
-    """A from-scratch Qwen2-architecture model (RoPE, RMSNorm, SwiGLU, tied embeddings), dropout off."""
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=args.hidden_size,
-        intermediate_size=4 * args.hidden_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_heads,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        attention_dropout=0.0,  # dropout off: log-probs must be deterministic
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,  # the character tokenizer adds no BOS
-    )
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
 def forward_logps(model, batch: dict) -> torch.Tensor:
     """log π_θ of each completion token [B,T]; the hidden state at position t predicts token t+1."""
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
@@ -213,45 +171,25 @@ def forward_logps(model, batch: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, eos_ids: list[int], rows, args: Args, device, autocast) -> tuple[dict, list]:
-    """Held-out loss, and greedy exact-match accuracy when the rows have answers; plus a few samples."""
+    """Held-out loss (ℒ_SFT of the reference completions), and greedy exact-match accuracy when the rows have
+    answers; plus a few samples."""
     model.eval()
-    prompts = common.tokenize_prompts(tokenizer, rows, args.max_length)
-    completions = common.tokenize(
-        tokenizer, [r["completion"] for r in rows], add_eos=True, max_length=args.max_length, eos_ids=eos_ids
-    )
-    total_nll, total_tokens, correct, samples = 0.0, 0, 0, []
     has_answers = all(r.get("answer") is not None for r in rows)
+    total_nll, total_tokens, texts = 0.0, 0, []
     for i in range(0, len(rows), 64):
-        batch = {
-            k: v.to(device)
-            for k, v in common.collate(prompts[i : i + 64], completions[i : i + 64], tokenizer.pad_token_id).items()
-        }
+        batch_rows = rows[i : i + 64]
+        completions = [r["completion"] for r in batch_rows]
+        batch = common.completion_batch(tokenizer, batch_rows, completions, args.max_length, eos_ids, device)
         with autocast:
-            logps = forward_logps(model, batch)
-        total_nll -= (logps * batch["completion_mask"]).sum().item()
+            total_nll -= (forward_logps(model, batch) * batch["completion_mask"]).sum().item()
+            if has_answers:
+                texts += greedy_completions(model, batch["prompt_ids"], batch["prompt_mask"], tokenizer, eos_ids, args)
         total_tokens += batch["completion_mask"].sum().item()
-        if has_answers:
-            with autocast:
-                out = generate_exactly(
-                    model,
-                    batch["prompt_ids"],
-                    batch["prompt_mask"],
-                    synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: lockstep
-                    do_sample=False,
-                    max_new_tokens=args.max_new_tokens,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=eos_ids,
-                )
-            texts = tokenizer.batch_decode(out[:, batch["prompt_ids"].shape[1] :], skip_special_tokens=True)
-            for row, text in zip(rows[i : i + 64], texts):
-                correct += common.is_correct(text, row["answer"])
-                if len(samples) < 5:
-                    samples.append({"prompt": row["prompt"], "completion": text, "answer": row["answer"]})
     model.train()
     metrics = {"eval/loss": total_nll / max(total_tokens, 1)}
     if has_answers:
-        metrics["eval/accuracy"] = correct / len(rows)
-    return metrics, samples
+        metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
+    return metrics, [{"prompt": r["prompt"], "completion": t, "answer": r["answer"]} for r, t in zip(rows, texts[:5])]
 
 
 def main(args: Args):
@@ -259,75 +197,45 @@ def main(args: Args):
     autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
     # 1. the model π_θ: the tiny from-scratch one, a hub/local model, or the checkpoint being resumed
-    if args.model is None and run.checkpoint is None:
-        tokenizer = common.build_char_tokenizer()
-        model = tiny_model(tokenizer, args)
-    else:
-        path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
-        try:
-            tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
-            model = load_model(path, args.trust_remote_code)
-            path = run.checkpoint or path
-            model = add_lora(model, args, checkpoint=run.checkpoint)
-        except Exception as e:
-            fail(load_failure(path, e))
-    model.to(run.device).train()
-    print(
-        f"model: {args.model or 'tiny Qwen2'} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters) "
-        f"on {run.device} × {run.world}, {'bf16 autocast' if args.bf16 else 'fp32'}"
-    )
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tokenizer, model = load_models(args, run)
     trained = wrap(model, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
+    eos_ids = common.eos_token_ids(tokenizer, model.generation_config)  # completions end at the first of any
 
-    # 2. the data: prompt x and completion y (ending in EOS) for every row
+    # 2. the data: prompt x and completion y (ending in EOS) for every row, tokenized a batch at a time
     train_rows = common.load_rows(args.dataset, "train", "sft", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "sft", tokenizer, args.dataset_config)[: args.eval_size]
-    prompts = common.tokenize_prompts(tokenizer, train_rows, args.max_length)
-    eos_ids = common.eos_token_ids(tokenizer, model.generation_config)  # completions end at the first of any
-    completion_texts = [r["completion"] for r in train_rows]
-    completions = common.tokenize(
-        tokenizer, completion_texts, add_eos=True, max_length=args.max_length, eos_ids=eos_ids
-    )
+    common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
     print(f"data: {len(train_rows)} train rows, {len(eval_rows)} held-out rows from {args.dataset}")
-    step_rows = args.batch_size * args.grad_accum_steps * run.world
-    if len(train_rows) < step_rows:
-        fail(
-            f"{len(train_rows)} training rows are fewer than one step's {step_rows} (batch size × accumulation steps × processes)"
-        )
+
+    def batch_of(rows: list[dict]) -> dict:
+        completions = [r["completion"] for r in rows]
+        return common.completion_batch(tokenizer, rows, completions, args.max_length, eos_ids, run.device)
 
     # 3. AdamW (fused: one kernel, no parameter-sized temporaries), linear warm-up then linear decay to 0
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, fused=True)
     schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=args.lr_decay)
-    # the same order in every process
-    batches = common.shuffled_batches(len(train_rows), step_rows, args.seed)
-    first_step = begin_training(args, run, model, optimizer, schedule, batches)
+    step_rows = args.batch_size * args.grad_accum_steps * run.world
+    batches, progress = begin_training(args, run, model, optimizer, schedule, len(train_rows), step_rows)
 
     def run_eval(step: int) -> dict:
-        metrics, samples = evaluate(model, tokenizer, eos_ids, eval_rows, args, run.device, autocast)
-        log(run, metrics, step, samples)
-        for sample in samples[:3]:
-            tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r} (answer {sample['answer']})")
-        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        return metrics
+        return log_eval(run, step, *evaluate(model, tokenizer, eos_ids, eval_rows, args, run.device, autocast))
 
     start = end = run.state["start"] if run.state else run_eval(0)
-    progress = tqdm(range(first_step, args.steps + 1), desc="sft", dynamic_ncols=True, disable=run.rank > 0 or None)
     for step in progress:
-        # 4. one step: the batch's token-mean NLL ℒ_SFT, gradients summed over micro-batches and processes
-        idx = next(batches)
-        num_tokens = sum(len(completions[i]) for i in idx)  # the whole step's, over micro-batches and processes
+        # 4. one step: ℒ_SFT, the token mean over all the step's completions, gradients summed over its
+        # micro-batches and processes
+        rows = [train_rows[i] for i in next(batches)]
+        micro_batches = [batch_of(process_share(rows, run, args.batch_size, k)) for k in range(args.grad_accum_steps)]
+        # this process's share of the step's completion tokens (DDP averages the processes' gradients)
+        num_tokens = sum(b["completion_mask"].sum().item() for b in micro_batches)
+        num_tokens = mean_over_processes({"tokens": num_tokens}, run.device)["tokens"]
         loss = 0.0
-        for k in range(args.grad_accum_steps):
-            mine = process_share(idx, run, args.batch_size, micro_batch=k)
-            batch = common.collate([prompts[i] for i in mine], [completions[i] for i in mine], tokenizer.pad_token_id)
-            batch = {key: v.to(run.device) for key, v in batch.items()}
-            # DDP averages gradients over processes: scaling by `world` turns that into the step's token sum
-            with gradient_sync(trained, last=k == args.grad_accum_steps - 1):
+        for k, batch in enumerate(micro_batches):
+            with gradient_sync(trained, last=k == len(micro_batches) - 1):
                 with autocast:
                     logps = forward_logps(trained, batch)
-                micro_loss = sft_loss(logps, batch["completion_mask"], num_tokens / run.world)
+                micro_loss = sft_loss(logps, batch["completion_mask"], num_tokens)
                 micro_loss.backward()
             loss += micro_loss.item()
         loss = mean_over_processes({"loss": loss}, run.device)["loss"]
@@ -355,7 +263,76 @@ def main(args: Args):
 # errors. Not part of the method: the helpers below that do the same thing in several scripts are textually the
 # same in each (tests/test_copies.py checks it).
 # ======================================================================================================
+# the infrastructure's own imports: here, beside it, so that the top of the file shows what the method needs
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import numpy as np
+import torch.distributed as dist
+import tyro
+from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Qwen2Config
+
+
 # -------------------------------------------------- models: loading, LoRA adapters, sampling settings
+def tiny_model(tokenizer, args: Args):
+    """A from-scratch Qwen2-architecture model (RoPE, RMSNorm, SwiGLU, tied embeddings), dropout off."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        intermediate_size=4 * args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,  # dropout off: log-probs must be deterministic
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,  # the character tokenizer adds no BOS
+    )
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def load_models(args: Args, run: SimpleNamespace):
+    """The tokenizer and π_θ: the tiny from-scratch model, a hub/local model (with LoRA adapters if asked), or
+    the checkpoint being resumed; on run.device, in training mode."""
+    if args.model is None and run.checkpoint is None:
+        tokenizer = common.build_char_tokenizer()
+        model = tiny_model(tokenizer, args)
+    else:
+        path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
+        try:
+            tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+            model = load_model(path, args.trust_remote_code)
+            path = run.checkpoint or path
+            model = add_lora(model, args, checkpoint=run.checkpoint)
+        except Exception as e:
+            fail(load_failure(path, e))
+    model.to(run.device).train()
+    print_model(args.model or "tiny Qwen2", model, args, run)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return tokenizer, model
+
+
 def load_model(
     path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs
 ):
@@ -423,6 +400,13 @@ def is_lora(model) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
+def print_model(name: str, model, args: Args, run: SimpleNamespace):
+    """One line: the model, its size, where it runs and in what precision."""
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    precision = "bf16 autocast" if args.bf16 else "fp32"
+    print(f"model: {name} ({millions:.2f}M parameters) on {run.device} × {run.world}, {precision}")
+
+
 @torch.no_grad()
 def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
     """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
@@ -438,6 +422,22 @@ def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
     finally:
         model.generation_config = own
+
+
+@torch.no_grad()
+def greedy_completions(model, prompt_ids, prompt_mask, tokenizer, eos_ids: list[int], args: Args) -> list[str]:
+    """The greedy completions of left-padded prompts, as text: what held-out accuracy is measured on."""
+    out = generate_exactly(
+        model,
+        prompt_ids,
+        prompt_mask,
+        synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
+        do_sample=False,
+        max_new_tokens=args.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_ids,
+    )
+    return tokenizer.batch_decode(out[:, prompt_ids.shape[1] :], skip_special_tokens=True)
 
 
 def start_run(args: Args, script: str) -> SimpleNamespace:
@@ -458,6 +458,7 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
         sys.stdout = open(os.devnull, "w")
     name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
     return SimpleNamespace(
+        script=script,
         rank=rank,
         world=world,
         device=device,
@@ -473,11 +474,15 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
     )
 
 
-def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, batches) -> int:
-    """Opens the metrics file (and wandb with --track). On --resume, puts back the optimiser, the schedule,
-    the data position (the batches already drawn) and each process's RNG. From here on a signal finishes
-    the step, saves a checkpoint and exits 0. Prints (and logs at step 0) the trainable parameter count.
-    Returns the first step to run."""
+def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, n_rows: int, step_rows: int):
+    """Checks that the training rows fill a step, opens the metrics file (and wandb with --track), and on
+    --resume puts back the optimiser, the schedule, the data position (the batches already drawn) and each
+    process's RNG. From here on a signal finishes the step, saves a checkpoint and exits 0. Prints (and logs
+    at step 0) the trainable parameter count. Returns the batches (endless: `step_rows` row indices a step, a
+    new shuffle each epoch, the same in every process) and the steps left to run, as a progress bar."""
+    if n_rows < step_rows:
+        fail(f"{n_rows} training rows are fewer than one step takes ({step_rows}, over all processes)")
+    batches = common.shuffled_batches(n_rows, step_rows, args.seed)
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
@@ -508,12 +513,16 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%)")
     if not run.state:
         log(run, {"train/trainable_parameters": trainable, "train/parameters": total}, 0)
-    return run.state["step"] + 1 if run.state else 1
+    first_step = run.state["step"] + 1 if run.state else 1
+    progress = tqdm(
+        range(first_step, args.steps + 1), desc=run.script, dynamic_ncols=True, disable=run.rank > 0 or None
+    )
+    return batches, progress
 
 
-def process_share(indices: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
-    """This process's `size` rows of a step's `indices`: micro-batch k of process r is the (k·world + r)-th slice."""
-    return indices[(micro_batch * run.world + run.rank) * size :][:size]
+def process_share(step_batch: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
+    """This process's `size` rows (or indices) of a step's batch: micro-batch k of process r is slice k·world + r."""
+    return step_batch[(micro_batch * run.world + run.rank) * size :][:size]
 
 
 def gradient_sync(model, last: bool):
@@ -547,6 +556,16 @@ def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | No
             else {}
         )
         run.wandb.log({**metrics, **table}, step=step)
+
+
+def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]) -> dict:
+    """Held-out metrics and a few sample completions: logged, and printed above the progress bar."""
+    log(run, metrics, step, samples)
+    for sample in samples[:3]:
+        rest = "".join(f" ({k} {v})" for k, v in sample.items() if k not in ("prompt", "completion"))
+        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r}{rest}")
+    tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
 
 
 def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, optimizer, loss: float) -> float:

@@ -116,12 +116,11 @@ def models(size: str, tokenizer):
 
 @torch.no_grad()
 def ours(policy, ref, rm, tokenizer, rows, beta) -> dict:
-    prompts = common.tokenize(tokenizer, [r["prompt"] for r in rows])
-    batch = dpo.pair_batch(prompts, rows, tokenizer, 1024, "cpu")
+    batch = dpo.pair_batch(tokenizer, rows, 1024, "cpu")
     chosen, rejected = dpo.sequence_logps(policy, batch).chunk(2)
     ref_chosen, ref_rejected = dpo.sequence_logps(ref, batch).chunk(2)
     dpo_value = dpo.dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta)[0].mean().item()
-    batch = reward_model.pair_batch(prompts, rows, tokenizer, 1024, "cpu")
+    batch = reward_model.pair_batch(tokenizer, rows, 1024, "cpu")
     chosen, rejected = reward_model.reward_scores(rm, batch["input_ids"], batch["attention_mask"]).chunk(2)
     return {"dpo": dpo_value, "reward": reward_model.bradley_terry_loss(chosen, rejected).mean().item()}
 

@@ -18,12 +18,17 @@ COPIES = {
     "unwrap": ALL,
     "is_lora": ALL,
     "reference_policy": ["dpo", "grpo", "ppo"],  # with LoRA, π_ref is the policy with its adapter off
+    "pair_batch": ["reward_model", "dpo"],  # chosen then rejected completions, one batch
+    "sample_pairs": ["reward_model", "dpo"],  # pairs of the starting model's own right and wrong samples
+    "greedy_completions": ["sft", "dpo"],
     "check_lora": ALL,
     "load_reward_model": ["grpo", "ppo"],
     "start_run": ALL,  # the infrastructure section: every script's
     "begin_training": ALL,
     "process_share": ALL,
     "log": ALL,
+    "log_eval": ALL,
+    "print_model": ALL,
     "check_stage_input": ["reward_model", "dpo", "grpo", "ppo"],
     "lr_schedule": ALL,
     "gradient_sync": ["sft", "dpo", "grpo", "ppo"],
@@ -35,6 +40,7 @@ COPIES = {
     "average_gradients": ["reward_model", "ppo"],
     "init_distributed": ALL,
     "mean_over_processes": ALL,
+    "gather_lists": ["reward_model", "dpo"],
     "save_model": ALL,
     "fail": ALL,
     "checkpoints": ALL,

@@ -197,4 +197,5 @@ def test_each_script_runs_under_torchrun(script, flags, sft_dir, tmp_path):
         state = torch.load(tmp_path / "out/checkpoint-3/trainer_state.pt", weights_only=True)
         assert len(state["rng"]) == 2  # each process's RNG states
     if script == "reward_model.py":  # each process sampled half the prompts; both train on all the pairs
-        assert "for each of 128 train and 32 held-out prompts" in proc.stdout and len(state["pairs"][0]) > 8
+        assert "for each of 32 prompts" in proc.stdout and "for each of 128 prompts" in proc.stdout
+        assert len(state["pairs"][0]) > 8

@@ -236,13 +236,18 @@ def test_skip_nonfinite_counts_skipped_steps(nan_model, tmp_path):
     assert [r["train/skipped_steps"] for r in read_metrics(tmp_path, "s") if "train/skipped_steps" in r] == [10]
 
 
-def test_some_prompts_too_long_are_truncated_with_a_count(capsys):
+def test_prompts_too_long_are_truncated_counted_at_start_and_reported_once(capsys):
     tok = common.build_char_tokenizer()
-    ids = common.tokenize(tok, ["1+1=", "123+456="], max_length=5, left_truncate=True)
-    assert ids[0] == tok("1+1=")["input_ids"] and ids[1] == tok("+456=")["input_ids"]
-    assert "1 of 2 prompts are longer than 5 tokens" in capsys.readouterr().out
+    rows = [{"prompt": "1+1="}, {"prompt": "123+456="}]
+    common.check_prompt_lengths(tok, rows, max_length=5)  # at start, on the held-out prompts
+    assert "1 of 2 held-out prompts are longer than 5 tokens" in capsys.readouterr().out
     with pytest.raises(common.DataError, match="every prompt is longer"):
-        common.tokenize(tok, ["123+456="], max_length=5, left_truncate=True)
+        common.check_prompt_lengths(tok, rows[1:], max_length=5)
+    common.warn_once.cache_clear()
+    for _ in range(3):  # training batches, tokenized as they are drawn: truncated, and said once
+        ids = common.tokenize_prompts(tok, rows, max_length=5)
+        assert ids[0] == tok("1+1=")["input_ids"] and ids[1] == tok("+456=")["input_ids"]
+    assert capsys.readouterr().out.count("prompts longer than 5 tokens are left-truncated") == 1
 
 
 @pytest.mark.slow
