@@ -353,18 +353,11 @@ def same_tokenizer(a, b) -> bool:
     )
 
 
-def tokenize(
-    tokenizer,
-    texts: list[str],
-    add_eos: bool = False,
-    max_length: int | None = None,
-    left_truncate=False,
-    eos_ids: list[int] | None = None,
-):
-    """Token ids of each text. Prompts keep the tokenizer's own special tokens (e.g. BOS); completions
-    (`add_eos=True`) get none and end at their first EOS (any of `eos_ids`, default the tokenizer's), as
-    sampling would; one without an EOS gets the tokenizer's. A chat template's `<|im_end|>\n` thus ends at
-    `<|im_end|>`."""
+def tokenize(tokenizer, texts: list[str], add_eos: bool = False, max_length: int | None = None, eos_ids=None):
+    """Token ids of each text, cut to max_length. Prompts keep the tokenizer's own special tokens (e.g. BOS);
+    completions (`add_eos=True`) get none and end at their first EOS (any of `eos_ids`, default the
+    tokenizer's), as sampling would; one without an EOS gets the tokenizer's. A chat template's
+    `<|im_end|>\n` thus ends at `<|im_end|>`. (Prompts are cut from the left: tokenize_prompts.)"""
     backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer itself: faster on long lists
     if backend is not None:
         ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=not add_eos)]
@@ -376,9 +369,7 @@ def tokenize(
         eos = set(eos_ids or [tokenizer.eos_token_id])
         ends = [next((i for i, t in enumerate(x) if t in eos), None) for x in ids]
         ids = [x + [tokenizer.eos_token_id] if end is None else x[: end + 1] for x, end in zip(ids, ends)]
-    if max_length is not None:
-        ids = [x[-max_length:] if left_truncate else x[:max_length] for x in ids]
-    return ids
+    return ids if max_length is None else [x[:max_length] for x in ids]
 
 
 def tokenize_prompts(tokenizer, rows: list[dict], max_length: int) -> list[list[int]]:
@@ -430,7 +421,7 @@ def retokenize(tokenizer, rows: list[dict], completions: list[str], ended: list[
             prompt = row["prompt"]
         prompts.append(prompt)
         texts.append(completion)
-    prompt_ids = tokenize(tokenizer, prompts, max_length=max_prompt_length, left_truncate=True)
+    prompt_ids = [x[-max_prompt_length:] for x in tokenize(tokenizer, prompts)]
     completion_ids = [ids if done else ids[:-1] for ids, done in zip(tokenize(tokenizer, texts, add_eos=True), ended)]
     batch = collate(prompt_ids, completion_ids, tokenizer.pad_token_id)
     return batch["input_ids"], batch["attention_mask"]
@@ -440,17 +431,11 @@ def pad(seqs: list[list[int]], pad_id: int, side: str) -> tuple[torch.Tensor, to
     """Pads to the longest sequence on the `left` (prompts for generation) or `right` (completions).
     Returns (ids [B, L], mask [B, L]); the mask marks real tokens, so it never depends on pad_id ≠ EOS."""
     width = max(len(s) for s in seqs)
-    fill = [width - len(s) for s in seqs]  # lists, then one tensor each: far fewer torch calls than row by row
-    if side == "left":
-        ids, mask = (
-            [[pad_id] * f + list(s) for f, s in zip(fill, seqs)],
-            [[0] * f + [1] * len(s) for f, s in zip(fill, seqs)],
-        )
-    else:
-        ids, mask = (
-            [list(s) + [pad_id] * f for f, s in zip(fill, seqs)],
-            [[1] * len(s) + [0] * f for f, s in zip(fill, seqs)],
-        )
+
+    def padded(seq: list, fill) -> list:  # lists, then one tensor: far fewer torch calls than row by row
+        return [fill] * (width - len(seq)) + seq if side == "left" else seq + [fill] * (width - len(seq))
+
+    ids, mask = [padded(list(s), pad_id) for s in seqs], [padded([1] * len(s), 0) for s in seqs]
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
 
 

@@ -18,7 +18,6 @@ experiments; `--sample-pairs 0` trains on the task's fixed pairs (a correct answ
     python dpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized --lr 5e-7 --batch-size 32
 """
 
-import contextlib
 import random
 import time
 from dataclasses import dataclass
@@ -188,17 +187,6 @@ def dpo_loss(
 
 
 # ---------------------------------------------------------------- the method's helpers
-@contextlib.contextmanager
-def reference_policy(policy, ref):
-    """π_ref for a block of code: the frozen reference model, or with LoRA (ref None) the policy's own frozen
-    base weights, its adapter switched off: one model in memory instead of two."""
-    if ref is not None:
-        yield ref
-    else:
-        with policy.disable_adapter():
-            yield policy
-
-
 def sequence_logps(model, batch: dict) -> torch.Tensor:
     """Σ_t log π(y_t | x, y_<t) over completion tokens [B]; the hidden state at position t predicts token t+1."""
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
@@ -393,6 +381,7 @@ def main(args: Args):
 # same in each (tests/test_copies.py checks it).
 # ======================================================================================================
 # the infrastructure's own imports: here, beside it, so that the top of the file shows what the method needs
+import contextlib
 import copy
 import json
 import math
@@ -484,6 +473,17 @@ def is_lora(model) -> bool:
     """Whether the model carries LoRA adapters (a peft PeftModel: none can exist before peft is imported)."""
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(model, peft.PeftModel)
+
+
+@contextlib.contextmanager
+def reference_policy(policy, ref):
+    """π_ref for a block of code: the frozen reference model, or with LoRA (ref None) the policy's own frozen
+    base weights, its adapter switched off: one model in memory instead of two."""
+    if ref is not None:
+        yield ref
+    else:
+        with policy.disable_adapter():
+            yield policy
 
 
 def load_models(args: Args, run: SimpleNamespace):

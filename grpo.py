@@ -14,7 +14,6 @@ Shao et al. 2024, DeepSeekMath (arXiv:2402.03300); DeepSeek-R1 (arXiv:2501.12948
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --group-size 16 --max-new-tokens 256
 """
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -207,17 +206,6 @@ def grpo_loss(
 
 
 # ---------------------------------------------------------------- the method's helpers
-@contextlib.contextmanager
-def reference_policy(policy, ref):
-    """π_ref for a block of code: the frozen reference model, or with LoRA (ref None) the policy's own frozen
-    base weights, its adapter switched off: one model in memory instead of two."""
-    if ref is not None:
-        yield ref
-    else:
-        with policy.disable_adapter():
-            yield policy
-
-
 def forward_logps(model, input_ids, attention_mask, completion_ids, temperature: float) -> torch.Tensor:
     """log π(y_t) of each completion token [B,T] at the sampling temperature; the hidden state at t predicts t+1."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
@@ -262,21 +250,9 @@ def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, a
 
 @torch.no_grad()
 def score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokenizer, args: Args) -> torch.Tensor:
-    """r_i [B]: answer correctness (+ format bonus), or the reward model's score at the last real token
-    (of the policy's ids, or with rm_tokenizer, of the decoded texts re-tokenized its way)."""
+    """r_i [B]: answer correctness (+ a format bonus for a number before EOS), or the reward model's score."""
     if reward_model is not None:
-        if rm_tokenizer is not None:
-            input_ids, attention_mask = (
-                t.to(input_ids.device)
-                for t in common.retokenize(rm_tokenizer, rows, texts, ended.tolist(), args.max_prompt_length)
-            )
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = getattr(reward_model, reward_model.base_model_prefix)(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-        ).last_hidden_state
-        last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # each row's last real token
-        scores = reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
-        return scores - getattr(reward_model.config, "reward_offset", 0.0)  # reward_model.py's centring
+        return reward_model_scores(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args)
     rewards = []
     for row, text, done in zip(rows, texts, ended.tolist()):
         try:
@@ -379,10 +355,8 @@ def main(args: Args):
             )
 
         # 4. μ optimiser steps on the clipped objective, gradients accumulated over micro-batches
-        batch_tokens = mask.sum().float()  # dapo averages over every token of the step, in all processes
-        if dist.is_initialized():
-            dist.all_reduce(batch_tokens)
-            batch_tokens /= run.world  # DDP averages the processes' gradients
+        # dapo averages over every token of the step, in all processes (DDP averages the processes' gradients)
+        batch_tokens = mean_over_processes({"tokens": mask.sum().item()}, run.device)["tokens"]
         for _ in range(args.num_iterations):
             totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
             for k, s in enumerate(micro):
@@ -430,6 +404,7 @@ def main(args: Args):
 # same in each (tests/test_copies.py checks it).
 # ======================================================================================================
 # the infrastructure's own imports: here, beside it, so that the top of the file shows what the method needs
+import contextlib
 import copy
 import json
 import math
@@ -524,6 +499,17 @@ def is_lora(model) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
+@contextlib.contextmanager
+def reference_policy(policy, ref):
+    """π_ref for a block of code: the frozen reference model, or with LoRA (ref None) the policy's own frozen
+    base weights, its adapter switched off: one model in memory instead of two."""
+    if ref is not None:
+        yield ref
+    else:
+        with policy.disable_adapter():
+            yield policy
+
+
 def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
     """r_ϕ and the tokenizer it reads: None when it is the policy's (the policy's token ids go in as they
     are), else its own (completions are then decoded and re-tokenized). A model whose checkpoint has no
@@ -545,6 +531,24 @@ def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
         return model, None
     print(f"note: the reward model {path} has its own tokenizer: completions are decoded and re-tokenized for it")
     return model, own
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args: Args):
+    """r_ϕ(x, y) [B]: the score head at each row's last real token, minus reward_model.py's centring offset; of
+    the policy's ids, or with rm_tokenizer (another vocabulary), of the decoded texts re-tokenized its way."""
+    if rm_tokenizer is not None:
+        input_ids, attention_mask = (
+            t.to(input_ids.device)
+            for t in common.retokenize(rm_tokenizer, rows, texts, ended.tolist(), args.max_prompt_length)
+        )
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = getattr(reward_model, reward_model.base_model_prefix)(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+    ).last_hidden_state
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # each row's last real token
+    scores = reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
+    return scores - getattr(reward_model.config, "reward_offset", 0.0)
 
 
 def load_models(args: Args, run: SimpleNamespace):

@@ -16,7 +16,6 @@ Schulman et al. 2017 (arXiv:1707.06347), GAE: Schulman et al. 2016 (arXiv:1506.0
         --kl-coef 0.05
 """
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -230,17 +229,6 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 # ---------------------------------------------------------------- the method's helpers
-@contextlib.contextmanager
-def reference_policy(policy, ref):
-    """π_ref for a block of code: the frozen reference model, or with LoRA (ref None) the policy's own frozen
-    base weights, its adapter switched off: one model in memory instead of two."""
-    if ref is not None:
-        yield ref
-    else:
-        with policy.disable_adapter():
-            yield policy
-
-
 def position_ids(attention_mask):
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
 
@@ -460,6 +448,7 @@ def main(args: Args):
 # same in each (tests/test_copies.py checks it).
 # ======================================================================================================
 # the infrastructure's own imports: here, beside it, so that the top of the file shows what the method needs
+import contextlib
 import copy
 import json
 import math
@@ -552,6 +541,17 @@ def is_lora(model) -> bool:
     """Whether the model carries LoRA adapters (a peft PeftModel: none can exist before peft is imported)."""
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(model, peft.PeftModel)
+
+
+@contextlib.contextmanager
+def reference_policy(policy, ref):
+    """π_ref for a block of code: the frozen reference model, or with LoRA (ref None) the policy's own frozen
+    base weights, its adapter switched off: one model in memory instead of two."""
+    if ref is not None:
+        yield ref
+    else:
+        with policy.disable_adapter():
+            yield policy
 
 
 def load_reward_model(path: str, tokenizer, trust_remote_code: bool):

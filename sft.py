@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
-from tqdm import tqdm
 
 import common
 
@@ -288,6 +287,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
+from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
 

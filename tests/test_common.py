@@ -121,7 +121,7 @@ def test_tokenize_adds_exactly_one_eos_and_truncates():
         [tok.convert_tokens_to_ids("5"), tok.convert_tokens_to_ids("8"), eos]
     ]
     assert common.tokenize(tok, ["58<eos>"], add_eos=True)[0].count(eos) == 1
-    assert common.tokenize(tok, ["12345", "1"], max_length=2, left_truncate=True) == common.tokenize(tok, ["45", "1"])
+    assert common.tokenize_prompts(tok, [{"prompt": "12345"}, {"prompt": "1"}], 2) == common.tokenize(tok, ["45", "1"])
     assert common.tokenize(tok, ["12345"], max_length=2) == common.tokenize(tok, ["12"])
     assert common.tokenize(tok, [""]) == [[eos]]  # an empty prompt still gives the completion a context
 
