@@ -16,6 +16,8 @@ import pytest
 import tyro
 from conftest import ROOT, run_script
 
+import common
+
 QUICK = ["--eval-size", "8", "--eval-every", "1000"]
 
 
@@ -182,16 +184,58 @@ CASES = [  # script, flags ({d}: the fixture's directory), what the one line say
 ]
 
 
+# one case of each kind also runs as a user runs it: a subprocess, exit code 2, no traceback
+AS_A_USER = {
+    ("sft.py", "--grad-accum-steps -1"),  # a flag
+    ("sft.py", "--model {d}/truncated"),  # a model
+    ("dpo.py", "--model {d}/sft --resume {d}/sft/checkpoint-4"),  # a checkpoint
+    ("grpo.py", ""),  # the stage before not run yet
+    ("sft.py", "--dataset {d}/missing.jsonl"),  # a dataset (common.DataError)
+}
+USER_CASES = [case for case in CASES if (case[0], " ".join(case[1])) in AS_A_USER]
+
+
+def run_in_process(script: str, flags: list[str], cwd: Path, monkeypatch) -> int:
+    """main() as the script's command line runs it, in this process: no interpreter start-up and imports per
+    case. Returns the exit code."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", [script, *flags])  # load_checkpoint reads which flags were typed
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # start_run sets its own
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            try:
+                module.main(tyro.cli(module.Args, args=flags))
+            except common.DataError as e:  # what the script's `if __name__ == "__main__":` block does
+                module.fail(str(e))
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return stopped.value.code
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script,flags,message", CASES, ids=[f"{s}:{' '.join(f)[:40]}" for s, f, _ in CASES])
-def test_bad_input_one_error_line_and_nothing_changed(script, flags, message, made, tmp_path):
+def test_bad_input_one_error_line_and_nothing_changed(script, flags, message, made, tmp_path, monkeypatch, capsys):
+    before = digest(made)
+    code = run_in_process(script, [f.format(d=made) for f in flags], tmp_path, monkeypatch)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and message in errors[0], err[-2000:]
+    assert digest(made) == before  # every model and checkpoint that existed is byte-identical
+    assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,flags,message", USER_CASES, ids=[f"{s}:{' '.join(f)[:40]}" for s, f, _ in USER_CASES])
+def test_bad_input_as_a_user_runs_it(script, flags, message, made, tmp_path):
     before = digest(made)
     proc = run_script(script, *[f.format(d=made) for f in flags], cwd=tmp_path, check=False, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
-    assert digest(made) == before  # every model and checkpoint that existed is byte-identical
-    assert not (tmp_path / "runs").exists()  # nothing was started
+    assert digest(made) == before
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.slow
