@@ -7,8 +7,8 @@ Maximise the log-likelihood of the reference completion y given the prompt x, on
 With no arguments it builds a ~0.5M-parameter Qwen2-architecture model with a character tokenizer,
 teaches it 3-digit addition (the built-in `arithmetic` task) from a careless teacher's demonstrations,
 which it learns to imitate, slips included (the alignment stages then reward the correct sum), and saves
-model + tokenizer to `models/sft`. With `--model` and `--dataset` it
-fine-tunes any causal LM on any prompt/completion or messages dataset.
+model + tokenizer to `models/sft`. With `--model` and `--dataset` it fine-tunes any causal LM on any
+prompt/completion or messages dataset.
 
     python sft.py                                   # tiny model, built-in task, a few minutes on a CPU
     python sft.py --model Qwen/Qwen2.5-0.5B --dataset trl-lib/Capybara --lr 2e-5 --batch-size 16
@@ -244,12 +244,8 @@ def main(args: Args):
         # 5. log, evaluate, checkpoint
         progress.set_postfix(loss=f"{loss:.4f}")
         if step % 10 == 0:
-            lr = schedule.get_last_lr()[0]
-            log(
-                run,
-                {"train/loss": loss, "train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_steps": run.skipped},
-                step,
-            )
+            metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/lr": schedule.get_last_lr()[0]}
+            log(run, {**metrics, "train/skipped_steps": run.skipped}, step)
         if step % args.eval_every == 0 or step == args.steps:
             end = run_eval(step)
         maybe_checkpoint(args, run, step, model, tokenizer, optimizer, schedule, start)

@@ -16,7 +16,8 @@ hyperparameters through dpo.py, reward_model.py and grpo.py (each a subprocess, 
 through TRL's DPOTrainer, RewardTrainer and GRPOTrainer (each a subprocess of this file, `--worker`),
 alternating ours/TRL, `--repeats` times. Throughput counts only training steps after `--skip` warm-up
 steps (ours: the wall time in metrics.jsonl's step rows; TRL: a callback at each step's end), so imports,
-tokenisation and our held-out evaluations are outside it. Peak memory is each process's peak RSS.
+TRL's tokenisation of the dataset and our held-out evaluations are outside it (ours tokenizes each batch
+when it is drawn, inside the step). Peak memory is each process's peak RSS.
 
     pip install -r benchmarks/requirements.txt
     python benchmarks/vs_trl.py --size tiny
