@@ -218,6 +218,7 @@ def sample_pairs(model, tokenizer, rows: list[dict], args: Args, run, autocast) 
     rejected: a wrong one at random}. (The DPO paper builds its controlled-experiment pairs the same way:
     samples of π_SFT, scored by a judge.) Each process samples a share of the rows; all get every pair."""
     k, n, pairs, t0 = args.sample_pairs, 8 * args.batch_size, [], time.time()
+    eos_ids = common.eos_token_ids(tokenizer, model.generation_config)
     mine = rows[run.rank * len(rows) // run.world : (run.rank + 1) * len(rows) // run.world]
     for i in tqdm(range(0, len(mine), n), desc="sampling pairs", disable=run.rank > 0 or None, leave=False):
         batch_rows = mine[i : i + n]
@@ -225,15 +226,7 @@ def sample_pairs(model, tokenizer, rows: list[dict], args: Args, run, autocast) 
         ids, mask = (t.to(run.device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
         with autocast:
             out = generate_exactly(
-                model,
-                ids,
-                mask,
-                do_sample=True,
-                temperature=args.sample_temperature,
-                num_return_sequences=k,
-                max_new_tokens=args.max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=common.eos_token_ids(tokenizer, model.generation_config),
+                model, ids, mask, tokenizer, eos_ids, args.max_new_tokens, args.sample_temperature, n=k
             )
         texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
         for j, row in enumerate(batch_rows):
@@ -403,7 +396,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 
@@ -521,18 +514,27 @@ def print_model(name: str, model, args: Args, run: SimpleNamespace):
 
 
 @torch.no_grad()
-def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
-    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
-    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
-    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
-    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
+def generate_exactly(
+    model, prompt_ids, prompt_mask, tokenizer, eos_ids, max_new_tokens: int, temperature=0.0, static_cache=False, n=1
+) -> torch.Tensor:
+    """[prompt | completion] ids: n completions of each left-padded prompt, sampled from exactly softmax(logits / T),
+    the π_θ of every log-prob here (greedy at T = 0), each ending at its first EOS (any of eos_ids). The model's
+    own generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
+    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50. static_cache:
+    a preallocated KV cache (on CUDA transformers then compiles the decoding step)."""
+    sharded = isinstance(model, FSDPModule)  # FSDP2: every process must run each decoding step (synced_gpus)
     model = unwrap(model)  # LoRA: generate() reads the inner model's generation_config
     own = model.generation_config
     model.generation_config = GenerationConfig(
-        **settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {})
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=[int(i) for i in eos_ids],
+        num_return_sequences=n,
+        **(dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)),
+        **(dict(cache_implementation="static") if static_cache else {}),
     )
     try:
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
+        return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=sharded)
     finally:
         model.generation_config = own
 
@@ -540,16 +542,7 @@ def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False
 @torch.no_grad()
 def greedy_completions(model, prompt_ids, prompt_mask, tokenizer, eos_ids: list[int], args: Args) -> list[str]:
     """The greedy completions of left-padded prompts, as text: what held-out accuracy is measured on."""
-    out = generate_exactly(
-        model,
-        prompt_ids,
-        prompt_mask,
-        synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
-        do_sample=False,
-        max_new_tokens=args.max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos_ids,
-    )
+    out = generate_exactly(model, prompt_ids, prompt_mask, tokenizer, eos_ids, args.max_new_tokens)
     return tokenizer.batch_decode(out[:, prompt_ids.shape[1] :], skip_special_tokens=True)
 
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
@@ -231,16 +230,9 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torc
 def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, args: Args, greedy: bool = False):
     """Completions [B,T] from π_θ/T exactly (KV cache, left-padded prompts), their mask, and whether each
     ended with an EOS (any of eos_ids) rather than at the length limit."""
+    temperature = 0.0 if greedy else args.temperature
     out = generate_exactly(
-        model,
-        prompt_ids,
-        prompt_mask,
-        synced_gpus=args.fsdp and dist.is_initialized(),  # FSDP2: every process runs each decoding step
-        max_new_tokens=args.max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos_ids.tolist(),
-        **(dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature)),
-        **(dict(cache_implementation="static") if args.static_cache else {}),
+        model, prompt_ids, prompt_mask, tokenizer, eos_ids, args.max_new_tokens, temperature, args.static_cache
     )
     completion_ids = out[:, prompt_ids.shape[1] :]
     mask = completion_mask(completion_ids, eos_ids)
@@ -418,6 +410,7 @@ from dataclasses import asdict
 from types import SimpleNamespace
 
 import numpy as np
+import torch.distributed as dist
 import tyro
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import (
@@ -426,7 +419,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
@@ -588,18 +581,27 @@ def print_model(name: str, model, args: Args, run: SimpleNamespace):
 
 
 @torch.no_grad()
-def generate_exactly(model, input_ids, attention_mask, synced_gpus: bool = False, **settings) -> torch.Tensor:
-    """model.generate with `settings` alone (do_sample, temperature, max_new_tokens, eos/pad ids, …), so that
-    samples come from exactly softmax(logits / T), the π_θ of every log-prob here. The model's own
-    generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
-    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50."""
+def generate_exactly(
+    model, prompt_ids, prompt_mask, tokenizer, eos_ids, max_new_tokens: int, temperature=0.0, static_cache=False, n=1
+) -> torch.Tensor:
+    """[prompt | completion] ids: n completions of each left-padded prompt, sampled from exactly softmax(logits / T),
+    the π_θ of every log-prob here (greedy at T = 0), each ending at its first EOS (any of eos_ids). The model's
+    own generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
+    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50. static_cache:
+    a preallocated KV cache (on CUDA transformers then compiles the decoding step)."""
+    sharded = isinstance(model, FSDPModule)  # FSDP2: every process must run each decoding step (synced_gpus)
     model = unwrap(model)  # LoRA: generate() reads the inner model's generation_config
     own = model.generation_config
     model.generation_config = GenerationConfig(
-        **settings, **(dict(top_k=0, top_p=1.0) if settings.get("do_sample") else {})
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=[int(i) for i in eos_ids],
+        num_return_sequences=n,
+        **(dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)),
+        **(dict(cache_implementation="static") if static_cache else {}),
     )
     try:
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus)
+        return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=sharded)
     finally:
         model.generation_config = own
 
