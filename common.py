@@ -105,14 +105,8 @@ def arithmetic_rows(split: str, kind: str) -> list[dict]:
         elif kind == "prompt":
             rows.append({"prompt": prompt, "answer": answer})
         else:
-            rows.append(
-                {
-                    "prompt": prompt,
-                    "chosen": answer,
-                    "rejected": little_endian(wrong_sum(a, b, rng), 4),
-                    "answer": answer,
-                }
-            )
+            rejected = little_endian(wrong_sum(a, b, rng), 4)
+            rows.append({"prompt": prompt, "chosen": answer, "rejected": rejected, "answer": answer})
     return rows
 
 
@@ -295,12 +289,8 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
             out.append({"prompt": prompt, "completion": completion, "answer": answer})
         elif kind == "prompt":
             if "question" in columns and "answer" in columns and "prompt" not in columns:
-                question = text("question")  # GSM8K
-                prompt = (
-                    [{"role": "user", "content": question}]
-                    if getattr(tokenizer, "chat_template", None)
-                    else question + "\n"
-                )
+                question, chat = text("question"), getattr(tokenizer, "chat_template", None)  # GSM8K
+                prompt = [{"role": "user", "content": question}] if chat else question + "\n"
                 answer = extract_gsm8k_answer(text("answer"))
             elif "messages" in columns and "prompt" not in columns:
                 msgs = text("messages")
@@ -365,7 +355,7 @@ def tokenize(tokenizer, texts: list[str], add_eos: bool = False, max_length: int
         ids = tokenizer(texts, add_special_tokens=not add_eos)["input_ids"]
     if not add_eos:  # an empty prompt becomes one EOS, so the first completion token has a context (GPT-2's way)
         ids = [x or [tokenizer.eos_token_id] for x in ids]
-    if add_eos:
+    else:
         eos = set(eos_ids or [tokenizer.eos_token_id])
         ends = [next((i for i, t in enumerate(x) if t in eos), None) for x in ids]
         ids = [x + [tokenizer.eos_token_id] if end is None else x[: end + 1] for x, end in zip(ids, ends)]

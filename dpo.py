@@ -2,17 +2,15 @@
 
 The optimal policy of max 𝔼[r] − β·D_KL[π ‖ π_ref] satisfies r(x, y) = β·log(π(y|x) / π_ref(y|x)) + β·log Z(x).
 Substituting this implicit reward into Bradley–Terry, Z(x) cancels and the policy is trained directly on
-preference pairs (y_w ≻ y_l), with no reward model and no sampling during training:
+preference pairs (y_w ≻ y_l), with no reward model and no sampling during training (Rafailov et al. 2023):
 
     h = log π_θ(y_w|x)/π_ref(y_w|x) − log π_θ(y_l|x)/π_ref(y_l|x)
-    ℒ_DPO(θ) = −𝔼[ log σ(β·h) ]                   (sigmoid; label smoothing ls: −(1−ls)·log σ(βh) − ls·log σ(−βh))
-    ℒ_IPO(θ) = 𝔼[ (h − 1/(2β))² ]                  (Azar et al. 2023)
-    + α·𝔼[ −log π_θ(y_w|x) / |y_w| ]               (--rpo-alpha: RPO, Pang et al. 2024; both likelihoods
-                                                   otherwise tend to fall together when y_w and y_l differ by a token)
+    ℒ_DPO(θ) = −𝔼[ log σ(β·h) ]         (label smoothing ls: −(1−ls)·log σ(βh) − ls·log σ(−βh))
+    ℒ_IPO(θ) = 𝔼[ (h − 1/(2β))² ]       (Azar et al. 2023)
+    + α·𝔼[ −log π_θ(y_w|x) / |y_w| ]     (--rpo-alpha: RPO, Pang et al. 2024: keeps log π(y_w) from falling)
 
-Rafailov et al. 2023 (arXiv:2305.18290). On the built-in task the pairs are, by default, π_ref's own samples
-(a right and a wrong answer to the same prompt, judged by the answer key), as in the paper's controlled
-experiments; `--sample-pairs 0` trains on the task's fixed pairs (a correct answer vs. a slip) instead.
+On the built-in task the pairs are, by default, π_ref's own samples (a right and a wrong answer to the same prompt,
+judged by the answer key), as in the paper's controlled experiments; `--sample-pairs 0`: the task's fixed pairs.
 
     python dpo.py                                    # after `python sft.py`: the built-in task, CPU
     python dpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized --lr 5e-7 --batch-size 32
@@ -814,7 +812,9 @@ def save_final_model(model, tokenizer, args: Args):
             shutil.rmtree(tmp, ignore_errors=True)
         if args.merge_lora and is_lora(model):
             save_model(model, tokenizer, os.path.join(tmp, "adapter"), args)
-            model = model.merge_and_unload()  # W ← W + (α/r)·B·A in every adapted layer: a plain transformers model
+            # W ← W + (α/r)·B·A in every adapted layer, in fp32 (the frozen W is held in bf16 under --bf16, and a bf16
+            # sum would round small updates away): a plain transformers model, saved in fp32 like a full fine-tune
+            model = model.float().merge_and_unload()
         save_model(model, tokenizer, tmp, args)
         if main_process:
             new = os.listdir(tmp)
