@@ -708,7 +708,9 @@ def save_final_model(model, tokenizer, args: Args):
             shutil.rmtree(tmp, ignore_errors=True)
         if args.merge_lora and is_lora(model):
             save_model(model, tokenizer, os.path.join(tmp, "adapter"), args)
-            model = model.merge_and_unload()  # W ← W + (α/r)·B·A in every adapted layer: a plain transformers model
+            # W ← W + (α/r)·B·A in every adapted layer, in fp32 (the frozen W is held in bf16 under --bf16, and a bf16
+            # sum would round small updates away): a plain transformers model, saved in fp32 like a full fine-tune
+            model = model.float().merge_and_unload()
         save_model(model, tokenizer, tmp, args)
         if main_process:
             new = os.listdir(tmp)

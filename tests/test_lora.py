@@ -3,6 +3,7 @@ trainable count, save → reload (adapter and merged) with the same outputs; end
 improve the tiny model, a LoRA run resumes exactly under torchrun, and every script trains adapters on the
 hub-like chat model."""
 
+import copy
 import json
 import math
 import os
@@ -102,6 +103,21 @@ def test_saved_adapter_and_merged_model_reload_with_the_same_outputs(chat_model,
         torch.testing.assert_close(logps(merged, batch), trained, atol=1e-5, rtol=0)
 
 
+def test_merge_is_in_fp32_when_the_frozen_base_is_held_in_bf16(chat_model, tmp_path):
+    """--bf16 holds the frozen weights W in bf16; --merge-lora still sums W + (α/r)·B·A in fp32 and saves fp32, so
+    the merged model computes what was trained (a sum in bf16 would round small updates away)."""
+    tok = common.load_tokenizer(chat_model)
+    batch = batch_with_every_eos(tok)
+    policy, _ = lora_policy(chat_model, bf16=True)
+    with torch.no_grad():  # the trained function: W as held (bf16 values), adapters in fp32
+        trained = logps(copy.deepcopy(policy).float(), batch)
+    grpo.save_final_model(policy, tok, grpo.Args(output_dir=str(tmp_path), lora_r=4, merge_lora=True, bf16=True))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert {p.dtype for p in merged.parameters()} == {torch.float32}
+    with torch.no_grad():
+        torch.testing.assert_close(logps(merged, batch), trained, atol=1e-5, rtol=0)
+
+
 def test_reward_model_adapter_carries_its_score_head(chat_model, tmp_path):
     tok = common.load_tokenizer(chat_model)
     rm = reward_model.load_model(str(chat_model), False, AutoModelForSequenceClassification, num_labels=1)
@@ -152,11 +168,12 @@ def test_lora_sft_trains_adapters_on_a_pretrained_model_and_merges(tmp_path):
     assert_counts_logged(tmp_path, "s", out)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "models/sft")  # plain transformers, full weights
     assert (tmp_path / "models/sft/adapter/adapter_config.json").exists()
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    if os.environ.get("TEST_SCRIPTS_BF16"):  # `pytest --bf16`: the run held the frozen base in bf16
+        base = base.to(torch.bfloat16).float()
     with torch.no_grad():
         ids = torch.tensor(common.tokenize(tok, ["12+34="]))
-        peft_model = PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "models/sft/adapter"
-        )
+        peft_model = PeftModel.from_pretrained(base, tmp_path / "models/sft/adapter")
         torch.testing.assert_close(merged(ids).logits, peft_model(ids).logits, atol=1e-4, rtol=0)
 
 
