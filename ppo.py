@@ -362,7 +362,7 @@ def main(args: Args):
         t0 = time.time()
         policy.eval()
         with autocast:
-            completion_ids, mask, has_eos = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
+            completion_ids, mask, ended = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
         policy.train()
         gen_time = time.time() - t0
         input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
@@ -373,8 +373,8 @@ def main(args: Args):
                 ref_logps = forward_logps(pi_ref, input_ids, attention_mask, T, args.temperature)
             old_values = critic_values(critic, input_ids, attention_mask, T)
             texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            scores = reward_scores(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, has_eos, args)
-        scores = scores - args.missing_eos_penalty * (~has_eos).float()
+            scores = reward_scores(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args)
+        scores = scores - args.missing_eos_penalty * (~ended).float()
 
         # 2. per-token rewards with the KL penalty, GAE advantages Â (whitened over the batch) and returns
         rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, args.kl_coef)
@@ -382,7 +382,9 @@ def main(args: Args):
         advantages = whiten(advantages, mask)
 
         # 3. update: num_ppo_epochs passes over num_mini_batches minibatches, one optimiser step each
-        stats = dict.fromkeys(["policy_loss", "value_loss", "clip_fraction", "approx_kl", "value_clip_fraction"], 0.0)
+        stats = dict.fromkeys(
+            ["policy_loss", "value_loss", "clip_fraction", "approx_kl", "value_clip_fraction", "grad_norm"], 0.0
+        )
         mb_size, n_updates = len(input_ids) // args.num_mini_batches, args.num_ppo_epochs * args.num_mini_batches
         for _ in range(args.num_ppo_epochs):
             order = torch.randperm(len(input_ids), device=run.device)
@@ -409,7 +411,7 @@ def main(args: Args):
                         stats[key] += share.item() * value.item() / n_updates
                 average_gradients(critic, args)
                 loss = mean_over_processes({"loss": loss}, run.device)["loss"]
-                optimizer_step(args, run, step, [policy, critic], optimizer, loss)
+                stats["grad_norm"] += optimizer_step(args, run, step, [policy, critic], optimizer, loss) / n_updates
         schedule.step()
 
         # 4. log, evaluate, checkpoint
@@ -419,7 +421,7 @@ def main(args: Args):
             kl=kl.mean().item(),
             rlhf_reward=(scores - args.kl_coef * kl).mean().item(),
             explained_variance=explained_variance(old_values, returns, mask),
-            frac_with_eos=has_eos.float().mean().item(),
+            frac_hit_length_limit=1 - ended.float().mean().item(),
             completion_length=mask.sum(1).float().mean().item(),
             skipped_steps=run.skipped,
             generation_s=gen_time,

@@ -118,7 +118,8 @@ def test_ppo_end_to_end(sft_run, reward_run, tmp_path):
         "train/value_loss",
         "train/value_clip_fraction",
         "train/explained_variance",
-        "train/frac_with_eos",
+        "train/frac_hit_length_limit",
+        "train/grad_norm",
     ]:
         assert key in train[-1], key
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "ppo") is not None
