@@ -169,8 +169,9 @@ def test_lora_sft_trains_adapters_on_a_pretrained_model_and_merges(tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "models/sft")  # plain transformers, full weights
     assert (tmp_path / "models/sft/adapter/adapter_config.json").exists()
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
-    if os.environ.get("TEST_SCRIPTS_BF16"):  # `pytest --bf16`: the run held the frozen base in bf16
-        base = base.to(torch.bfloat16).float()
+    if os.environ.get("TEST_SCRIPTS_BF16"):  # `pytest --bf16`: the run held the frozen weights (not buffers) in bf16
+        for p in base.parameters():
+            p.data = p.data.to(torch.bfloat16).float()
     with torch.no_grad():
         ids = torch.tensor(common.tokenize(tok, ["12+34="]))
         peft_model = PeftModel.from_pretrained(base, tmp_path / "models/sft/adapter")
