@@ -289,7 +289,8 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
             out.append({"prompt": prompt, "completion": completion, "answer": answer})
         elif kind == "prompt":
             if "question" in columns and "answer" in columns and "prompt" not in columns:
-                question, chat = text("question"), getattr(tokenizer, "chat_template", None)  # GSM8K
+                question = text("question")  # GSM8K; with a chat template, asked as the user's turn
+                chat = getattr(tokenizer, "chat_template", None)
                 prompt = [{"role": "user", "content": question}] if chat else question + "\n"
                 answer = extract_gsm8k_answer(text("answer"))
             elif "messages" in columns and "prompt" not in columns:

@@ -244,8 +244,8 @@ def main(args: Args):
         # 5. log, evaluate, checkpoint
         progress.set_postfix(loss=f"{loss:.4f}")
         if step % 10 == 0:
-            metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/lr": schedule.get_last_lr()[0]}
-            log(run, {**metrics, "train/skipped_steps": run.skipped}, step)
+            metrics = dict(loss=loss, grad_norm=grad_norm, lr=schedule.get_last_lr()[0], skipped_steps=run.skipped)
+            log(run, {f"train/{k}": v for k, v in metrics.items()}, step)
         if step % args.eval_every == 0 or step == args.steps:
             end = run_eval(step)
         maybe_checkpoint(args, run, step, model, tokenizer, optimizer, schedule, start)
