@@ -1047,6 +1047,8 @@ def check_args(args: Args):
     check_lora(args)
     if not 0 <= args.label_smoothing < 0.5:
         fail(f"--label-smoothing must be in [0, 0.5) (got {args.label_smoothing})")
+    if args.label_smoothing and args.loss_type != "sigmoid":
+        fail(f"--label-smoothing applies to --loss-type sigmoid only (got --loss-type {args.loss_type})")
     if args.sample_pairs == 1 or args.sample_pairs < 0:
         fail(f"--sample-pairs must be 0 (the fixed pairs) or at least 2 samples per prompt (got {args.sample_pairs})")
 

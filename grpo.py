@@ -1092,6 +1092,8 @@ def check_args(args: Args):
     check_lora(args)
     if args.group_size < 2:
         fail(f"--group-size must be at least 2: a group of one has no baseline (got {args.group_size})")
+    if args.format_reward and args.reward_model:
+        fail("--format-reward adds to the rule-based reward only: drop it or --reward-model")
 
 
 def check_ranges(args: Args, positive: list[str], non_negative: list[str]):

@@ -265,7 +265,7 @@ def test_missing_column_is_one_clear_line(tmp_path, kind, row, missing):
 def test_missing_file_and_empty_split(tmp_path):
     with pytest.raises(common.DataError, match="not found"):
         common.load_rows(str(tmp_path / "nope.jsonl"), "train", "sft")
-    with pytest.raises(common.DataError, match="no rows"):
+    with pytest.raises(common.DataError, match="no test split and only 3 rows: too few to hold some out"):
         common.load_rows(write(tmp_path / "few.jsonl", [{"prompt": "a", "completion": "b"}] * 3), "test", "sft")
 
 
