@@ -153,6 +153,11 @@ def sft_loss(logps: torch.Tensor, mask: torch.Tensor, num_tokens: float | None =
 
 
 # ---------------------------------------------------------------- the method's helpers
+def sft_batch(tokenizer, rows: list[dict], args: Args, eos_ids: list[int], device) -> dict:
+    """The rows' prompts x and reference completions y (each ending at its first EOS), collated on `device`."""
+    return common.completion_batch(tokenizer, rows, [r["completion"] for r in rows], args.max_length, eos_ids, device)
+
+
 def forward_logps(model, batch: dict) -> torch.Tensor:
     """log π_θ of each completion token [B,T]; the hidden state at position t predicts token t+1."""
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
@@ -176,9 +181,7 @@ def evaluate(model, tokenizer, eos_ids: list[int], rows, args: Args, device, aut
     has_answers = all(r.get("answer") is not None for r in rows)
     total_nll, total_tokens, texts = 0.0, 0, []
     for i in range(0, len(rows), 64):
-        batch_rows = rows[i : i + 64]
-        completions = [r["completion"] for r in batch_rows]
-        batch = common.completion_batch(tokenizer, batch_rows, completions, args.max_length, eos_ids, device)
+        batch = sft_batch(tokenizer, rows[i : i + 64], args, eos_ids, device)
         with autocast:
             total_nll -= (forward_logps(model, batch) * batch["completion_mask"]).sum().item()
             if has_answers:
@@ -206,10 +209,6 @@ def main(args: Args):
     common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
     print(f"data: {len(train_rows)} train rows, {len(eval_rows)} held-out rows from {args.dataset}")
 
-    def batch_of(rows: list[dict]) -> dict:
-        completions = [r["completion"] for r in rows]
-        return common.completion_batch(tokenizer, rows, completions, args.max_length, eos_ids, run.device)
-
     # 3. AdamW (fused: one kernel, no parameter-sized temporaries), linear warm-up then linear decay to 0
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, fused=True)
@@ -225,7 +224,8 @@ def main(args: Args):
         # 4. one step: ℒ_SFT, the token mean over all the step's completions, gradients summed over its
         # micro-batches and processes
         rows = [train_rows[i] for i in next(batches)]
-        micro_batches = [batch_of(process_share(rows, run, args.batch_size, k)) for k in range(args.grad_accum_steps)]
+        shares = [process_share(rows, run, args.batch_size, k) for k in range(args.grad_accum_steps)]
+        micro_batches = [sft_batch(tokenizer, share, args, eos_ids, run.device) for share in shares]
         # this process's share of the step's completion tokens (DDP averages the processes' gradients)
         num_tokens = sum(b["completion_mask"].sum().item() for b in micro_batches)
         num_tokens = mean_over_processes({"tokens": num_tokens}, run.device)["tokens"]
