@@ -14,6 +14,7 @@ Shao et al. 2024, DeepSeekMath (arXiv:2402.03300); DeepSeek-R1 (arXiv:2501.12948
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --group-size 16 --max-new-tokens 256
 """
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -69,8 +70,8 @@ class Args:
     """optimisation rounds; each samples prompts_per_step × group_size completions"""
     num_iterations: int = 1
     """μ: optimiser steps on each generated batch (1: old log-probs are the current ones, detached)"""
-    micro_batch_size: int = 256
-    """sequences per forward/backward pass (gradients are accumulated over the whole batch)"""
+    grad_accum_steps: int = 2
+    """micro-batches per optimiser step: the round's prompts_per_step × group_size sequences go through forward and backward in this many parts, gradients summed (less memory)"""
     lr: float = 2e-4
     """learning rate (AdamW)"""
     warmup_steps: int = 10
@@ -335,7 +336,8 @@ def main(args: Args):
         advantages = group_advantages(rewards, G, scale=args.scale_rewards)
 
         # 3. reference (and, for μ > 1, old) log-probs: once per batch, without gradients
-        micro = [slice(i, i + args.micro_batch_size) for i in range(0, len(input_ids), args.micro_batch_size)]
+        size = math.ceil(len(input_ids) / args.grad_accum_steps)  # sequences per forward/backward pass
+        micro = [slice(i, i + size) for i in range(0, len(input_ids), size)]
         rollout = [(input_ids[s], attention_mask[s], completion_ids[s]) for s in micro]
         ref_logps = None
         if args.beta != 0:
@@ -399,7 +401,6 @@ def main(args: Args):
 import contextlib
 import copy
 import json
-import math
 import os
 import random
 import re
@@ -1075,7 +1076,7 @@ def check_args(args: Args):
             "steps",
             "prompts_per_step",
             "num_iterations",
-            "micro_batch_size",
+            "grad_accum_steps",
             "lr",
             "warmup_steps",
             "max_grad_norm",
@@ -1092,6 +1093,8 @@ def check_args(args: Args):
     check_lora(args)
     if args.group_size < 2:
         fail(f"--group-size must be at least 2: a group of one has no baseline (got {args.group_size})")
+    if args.grad_accum_steps > args.prompts_per_step * args.group_size:
+        fail(f"--grad-accum-steps ({args.grad_accum_steps}) must be at most --prompts-per-step × --group-size")
     if args.format_reward and args.reward_model:
         fail("--format-reward adds to the rule-based reward only: drop it or --reward-model")
 

@@ -198,7 +198,6 @@ def ours_flags(method: str, args: Args, model: Path, data: dict, out: Path) -> l
     ]
     flags += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
     if method == "grpo":
-        n = args.prompts_per_step * args.group_size
         return flags + [
             "--dataset",
             str(data["prompt"]),
@@ -206,8 +205,8 @@ def ours_flags(method: str, args: Args, model: Path, data: dict, out: Path) -> l
             str(args.prompts_per_step),
             "--group-size",
             str(args.group_size),
-            "--micro-batch-size",
-            str(n),
+            "--grad-accum-steps",
+            "1",
             "--beta",
             "0.04",
             "--loss-type",

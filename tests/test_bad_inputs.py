@@ -97,6 +97,7 @@ FLAG_CASES = [  # script, flags, what the one line says: checked before anything
     ("sft.py", ["--hidden-size", "100", "--num-heads", "8"], "must be divisible by --num-heads"),
     ("sft.py", ["--steps", "0"], "--steps must be positive"),
     ("grpo.py", ["--group-size", "1"], "--group-size must be at least 2"),
+    ("grpo.py", ["--prompts-per-step", "2", "--grad-accum-steps", "17"], "--grad-accum-steps (17) must be at most"),
     (
         "grpo.py",
         ["--format-reward", "0.5", "--reward-model", "rm"],

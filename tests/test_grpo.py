@@ -229,6 +229,47 @@ def test_grpo_with_a_reward_model(sft_run, tmp_path):
     assert all("train/kl" in m and m["train/kl"] == 0 for m in metrics if "train/loss" in m)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_grad_accumulation_takes_the_same_steps(sft_run, tmp_path, loss_type):
+    """The round's 32 sequences in 3 uneven micro-batches (11, 11, 10) give the same steps as in one piece:
+    each micro-batch's loss is weighted by its share of the sequences (grpo) or of the tokens (dapo). At T = 2
+    the completions differ in length, so the two weightings differ."""
+    from safetensors.torch import load_file
+
+    _, model_dir, _ = sft_run
+    flags = "--steps 3 --prompts-per-step 8 --group-size 4 --temperature 2 --lr 1e-3 --warmup-steps 1 --eval-every 100"
+    for accum in ("1", "3"):
+        run_script(
+            "grpo.py",
+            "--model",
+            str(model_dir),
+            *flags.split(),
+            "--eval-size",
+            "8",
+            "--loss-type",
+            loss_type,
+            "--no-bf16",  # equal to rounding: fp32
+            "--grad-accum-steps",
+            accum,
+            "--output-dir",
+            f"grpo{accum}",
+            "--run-name",
+            accum,
+            cwd=tmp_path,
+        )
+    one, three = ([m for m in read_metrics(tmp_path, r) if "train/loss" in m] for r in ("1", "3"))
+    assert len(one) == len(three) == 3 and all(m["train/completion_length"] % 1 for m in one)  # lengths vary
+    for a, b in zip(one, three):
+        assert a["train/completion_length"] == b["train/completion_length"]  # the same samples
+        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=3e-5)
+    one, three = load_file(tmp_path / "grpo1/model.safetensors"), load_file(tmp_path / "grpo3/model.safetensors")
+    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3  # the steps moved the policy
+    assert all(torch.allclose(one[k], three[k], atol=1e-4) for k in one)  # Adam scales rounding noise up to ~lr/100
+
+
 def test_reward_function_error_names_the_completion(monkeypatch, capsys):
     def broken(text, answer):
         raise ZeroDivisionError("bad reward")
