@@ -357,7 +357,7 @@ def main(args: Args):
         # 4. log, evaluate, checkpoint
         progress.set_postfix(loss=f"{totals['loss']:.4f}")
         totals["rewards/margins"] = totals["rewards/chosen"] - totals["rewards/rejected"]
-        totals.update(grad_norm=grad_norm, skipped_steps=run.skipped)
+        totals.update(grad_norm=grad_norm, lr=schedule.get_last_lr()[0], skipped_steps=run.skipped)
         log(run, {f"train/{k}": v for k, v in totals.items()}, step)
         if step % args.eval_every == 0 or step == args.steps:
             end = run_eval(step)

@@ -374,6 +374,7 @@ def main(args: Args):
         groups = rewards.view(-1, G)
         totals.update(
             grad_norm=grad_norm,
+            lr=schedule.get_last_lr()[0],
             reward_mean=rewards.mean().item(),
             reward_std=rewards.std().item(),
             frac_groups_equal_reward=(groups.max(1).values == groups.min(1).values).float().mean().item(),

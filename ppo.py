@@ -423,6 +423,7 @@ def main(args: Args):
             explained_variance=explained_variance(old_values, returns, mask),
             frac_hit_length_limit=1 - ended.float().mean().item(),
             completion_length=mask.sum(1).float().mean().item(),
+            lr=schedule.get_last_lr()[0],
             skipped_steps=run.skipped,
             generation_s=gen_time,
         )
