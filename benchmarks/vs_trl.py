@@ -311,7 +311,7 @@ def measure(method: str, impl: str, args: Args, workdir: Path, model: Path, data
         rows = [json.loads(line) for line in (out / "runs" / "run" / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if "train/loss" in r]
         times = [r["time/elapsed_s"] for r in rows]
-        lengths = [r.get("train/completion_length", 0.0) for r in rows]
+        lengths = [r.get("train/completions/mean_length", 0.0) for r in rows]
     else:
         result = out / "trl.json"
         proc = run(

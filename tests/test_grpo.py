@@ -259,9 +259,9 @@ def test_grad_accumulation_takes_the_same_steps(sft_run, tmp_path, loss_type):
             cwd=tmp_path,
         )
     one, three = ([m for m in read_metrics(tmp_path, r) if "train/loss" in m] for r in ("1", "3"))
-    assert len(one) == len(three) == 3 and all(m["train/completion_length"] % 1 for m in one)  # lengths vary
+    assert len(one) == len(three) == 3 and all(m["train/completions/mean_length"] % 1 for m in one)  # lengths vary
     for a, b in zip(one, three):
-        assert a["train/completion_length"] == b["train/completion_length"]  # the same samples
+        assert a["train/completions/mean_length"] == b["train/completions/mean_length"]  # the same samples
         assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=3e-5)
     one, three = load_file(tmp_path / "grpo1/model.safetensors"), load_file(tmp_path / "grpo3/model.safetensors")

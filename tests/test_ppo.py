@@ -118,7 +118,7 @@ def test_ppo_end_to_end(sft_run, reward_run, tmp_path):
         "train/value_loss",
         "train/value_clip_fraction",
         "train/explained_variance",
-        "train/frac_hit_length_limit",
+        "train/completions/clipped_ratio",
         "train/grad_norm",
     ]:
         assert key in train[-1], key
