@@ -233,7 +233,7 @@ def load_raw(dataset: str, split: str, config: str | None = None) -> tuple[list[
     if "test" in ds:
         return ds[split].to_list(), 1
     rows = (ds["train"] if "train" in ds else ds[next(iter(ds))]).to_list()
-    if split == "test" and 0 < len(rows) < 10:  # a tenth of 10 rows or more is held out
+    if split == "test" and 0 < len(rows) < 10:  # a tenth of fewer than 10 rows is no row
         raise DataError(f"dataset '{dataset}' has no test split and only {len(rows)} rows: too few to hold some out")
     n_train = len(rows) - min(500, len(rows) // 10)
     return (rows[n_train:], n_train + 1) if split == "test" else (rows[:n_train], 1)

@@ -267,7 +267,7 @@ def test_grad_accumulation_takes_the_same_steps(sft_run, tmp_path, loss_type):
     one, three = load_file(tmp_path / "grpo1/model.safetensors"), load_file(tmp_path / "grpo3/model.safetensors")
     start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3  # the steps moved the policy
-    assert all(torch.allclose(one[k], three[k], atol=1e-4) for k in one)  # Adam scales rounding noise up to ~lr/100
+    assert all(torch.allclose(one[k], three[k], atol=1e-4) for k in one)  # looser: Adam turns rounding noise into steps
 
 
 def test_reward_function_error_names_the_completion(monkeypatch, capsys):
