@@ -492,7 +492,7 @@ def load_models(args: Args, run: SimpleNamespace):
         policy = add_lora(policy, args, checkpoint=run.checkpoint).to(run.device).train()
         print_model(f"policy {args.model}", policy, args, run)
         if args.gradient_checkpointing:
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(policy)
         path = args.ref_model or args.model
         if args.ref_model or not args.lora_r:
             ref = (
@@ -509,6 +509,13 @@ def print_model(name: str, model, args: Args, run: SimpleNamespace):
     millions = sum(p.numel() for p in model.parameters()) / 1e6
     precision = "bf16 autocast" if args.bf16 else "fp32"
     print(f"model: {name} ({millions:.2f}M parameters) on {run.device} × {run.world}, {precision}")
+
+
+def enable_checkpointing(model):
+    """--gradient-checkpointing: activations recomputed in the backward pass. Newer transformers call it
+    activation_checkpointing_enable (the old name warns that it goes in v6); older ones only have the old name."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
 
 
 @torch.no_grad()

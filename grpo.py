@@ -563,7 +563,7 @@ def load_models(args: Args, run: SimpleNamespace):
         policy = add_lora(policy, args, checkpoint=run.checkpoint).to(run.device)
         print_model(f"policy {args.model}", policy, args, run)
         if args.gradient_checkpointing:
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(policy)
         if args.beta != 0 and not args.lora_r:  # LoRA: π_ref is the policy with its adapter switched off
             path = args.model
             ref = load_model(path, args.trust_remote_code) if run.checkpoint else copy.deepcopy(policy)
@@ -582,6 +582,13 @@ def print_model(name: str, model, args: Args, run: SimpleNamespace):
     millions = sum(p.numel() for p in model.parameters()) / 1e6
     precision = "bf16 autocast" if args.bf16 else "fp32"
     print(f"model: {name} ({millions:.2f}M parameters) on {run.device} × {run.world}, {precision}")
+
+
+def enable_checkpointing(model):
+    """--gradient-checkpointing: activations recomputed in the backward pass. Newer transformers call it
+    activation_checkpointing_enable (the old name warns that it goes in v6); older ones only have the old name."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
 
 
 @torch.no_grad()

@@ -429,7 +429,7 @@ def load_models(args: Args, run: SimpleNamespace):
         fail(load_failure(path, e))
     print_model(f"reward model from {args.model}", model, args, run)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     try:
         eos_ids = common.eos_token_ids(tokenizer, GenerationConfig.from_pretrained(args.model))
     except OSError:  # none saved
@@ -442,6 +442,13 @@ def print_model(name: str, model, args: Args, run: SimpleNamespace):
     millions = sum(p.numel() for p in model.parameters()) / 1e6
     precision = "bf16 autocast" if args.bf16 else "fp32"
     print(f"model: {name} ({millions:.2f}M parameters) on {run.device} × {run.world}, {precision}")
+
+
+def enable_checkpointing(model):
+    """--gradient-checkpointing: activations recomputed in the backward pass. Newer transformers call it
+    activation_checkpointing_enable (the old name warns that it goes in v6); older ones only have the old name."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
 
 
 def start_run(args: Args, script: str) -> SimpleNamespace:

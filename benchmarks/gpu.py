@@ -148,7 +148,7 @@ def build_lora(args: Args, large: bool):
     with torch.device(args.device):
         base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if large and bf16 else torch.float32)
     if large:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        grpo.enable_checkpointing(base)
     policy = grpo.add_lora(base, grpo.Args(lora_r=args.lora_r, bf16=bf16))
     return policy, None, config, shape
 

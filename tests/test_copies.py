@@ -29,6 +29,7 @@ COPIES = {
     "log": ALL,
     "log_eval": ALL,
     "print_model": ALL,
+    "enable_checkpointing": ALL,
     "check_stage_input": ["reward_model", "dpo", "grpo", "ppo"],
     "lr_schedule": ALL,
     "gradient_sync": ["sft", "dpo", "grpo", "ppo"],

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -43,6 +44,20 @@ def test_left_padding_does_not_change_logprobs():
     assert torch.allclose(batched[0, :2], alone[0], atol=1e-5)
 
 
+
+def test_gradient_checkpointing_is_switched_on_without_a_deprecation_warning():
+    """--gradient-checkpointing reaches every decoder layer (directly and through a LoRA wrapper), and calls
+    the name this transformers version has rather than its deprecated alias."""
+    tok = common.build_char_tokenizer()
+    model = sft.tiny_model(tok, sft.Args())
+    lora = sft.add_lora(sft.tiny_model(tok, sft.Args()), sft.Args(model="m", lora_r=4))
+    for m in (model, lora):
+        assert not any(getattr(layer, "gradient_checkpointing", False) for layer in m.modules())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            sft.enable_checkpointing(m)
+        layers = [layer for layer in m.modules() if type(layer).__name__ == "Qwen2DecoderLayer"]
+        assert layers and all(layer.gradient_checkpointing for layer in layers)
 @pytest.mark.slow
 def test_help_documents_every_flag():
     out = subprocess.run(
