@@ -455,6 +455,7 @@ import re
 import shutil
 import signal
 import sys
+import warnings
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -663,6 +664,8 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
     what the loop keeps (skipped steps, the last checkpoint, stop signals, the metrics file and wandb)."""
     t_start = time.time()  # every metrics row carries the wall time since here
     on_stop_signal(None)
+    # peft reads transformers' deprecated is_gradient_checkpointing at every LoRA model: peft's warning, not the user's
+    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
     check_args(args)
     probe_writable(args.output_dir)
     checkpoint, state = load_checkpoint(args)

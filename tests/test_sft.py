@@ -44,7 +44,6 @@ def test_left_padding_does_not_change_logprobs():
     assert torch.allclose(batched[0, :2], alone[0], atol=1e-5)
 
 
-
 def test_gradient_checkpointing_is_switched_on_without_a_deprecation_warning():
     """--gradient-checkpointing reaches every decoder layer (directly and through a LoRA wrapper), and calls
     the name this transformers version has rather than its deprecated alias."""
@@ -58,6 +57,8 @@ def test_gradient_checkpointing_is_switched_on_without_a_deprecation_warning():
             sft.enable_checkpointing(m)
         layers = [layer for layer in m.modules() if type(layer).__name__ == "Qwen2DecoderLayer"]
         assert layers and all(layer.gradient_checkpointing for layer in layers)
+
+
 @pytest.mark.slow
 def test_help_documents_every_flag():
     out = subprocess.run(
