@@ -588,8 +588,10 @@ def print_model(name: str, model, args: Args, run: SimpleNamespace):
 def enable_checkpointing(model):
     """--gradient-checkpointing: activations recomputed in the backward pass. Newer transformers call it
     activation_checkpointing_enable (the old name warns that it goes in v6); older ones only have the old name."""
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable({"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 @torch.no_grad()
