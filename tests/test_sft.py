@@ -58,6 +58,14 @@ def test_gradient_checkpointing_is_switched_on_without_a_deprecation_warning():
         layers = [layer for layer in m.modules() if type(layer).__name__ == "Qwen2DecoderLayer"]
         assert layers and all(layer.gradient_checkpointing for layer in layers)
 
+    class OlderTransformersModel:  # before the rename: only gradient_checkpointing_enable
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            self.kwargs = gradient_checkpointing_kwargs
+
+    older = OlderTransformersModel()
+    sft.enable_checkpointing(older)
+    assert older.kwargs == {"use_reentrant": False}
+
 
 @pytest.mark.slow
 def test_help_documents_every_flag():
