@@ -20,8 +20,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import checkpoint
 
 import common
 
@@ -139,28 +137,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
         lg = lg.float() / temperature
         out.append(lg.gather(-1, tk.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, dim=-1))
     return torch.cat(out)
-
-
-LOGITS_CHUNK = 2**25  # logits (positions × vocabulary) that lm_head_logprobs holds at once: 128 MiB in fp32
-
-
-def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(W·h_t / T)[y_t]: hidden states h [B,T,H] through the LM head W, tokens y [B,T] → [B,T].
-
-    The same numbers as token_logprobs(model's logits, y, T), but a few positions at a time (LOGITS_CHUNK
-    logits), each chunk recomputed in backward (checkpoint): the [B,T,V] logits are never all in memory, nor
-    kept for backward (with a 150k vocabulary they dwarf the model's own activations)."""
-    head = (model.module if isinstance(model, DDP) else model).get_output_embeddings()
-    positions = max(1, LOGITS_CHUNK // head.weight.shape[0])
-
-    def chunk(h, y):
-        return token_logprobs(head(h)[None], y[None], temperature)[0]
-
-    out = [
-        checkpoint(chunk, h, y, use_reentrant=False)
-        for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))
-    ]
-    return torch.cat(out).view_as(tokens)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -440,9 +416,9 @@ def main(args: Args):
 
 
 # ======================================================================================================
-# Infrastructure: loading models and LoRA adapters, torchrun, checkpoints and resume, logging, signals, user
-# errors. Not part of the method: the helpers below that do the same thing in several scripts are textually the
-# same in each (tests/test_copies.py checks it).
+# Infrastructure: loading models and LoRA adapters, the LM head a chunk at a time, torchrun, checkpoints and
+# resume, logging, signals, user errors. Not part of the method: the helpers below that do the same thing in
+# several scripts are textually the same in each (tests/test_copies.py checks it).
 # ======================================================================================================
 # the infrastructure's own imports: here, beside it, so that the top of the file shows what the method needs
 import contextlib
@@ -470,6 +446,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
@@ -631,6 +609,28 @@ def enable_checkpointing(model):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+LOGITS_CHUNK = 2**25  # logits (positions × vocabulary) that lm_head_logprobs holds at once: 128 MiB in fp32
+
+
+def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(W·h_t / T)[y_t]: hidden states h [B,T,H] through the LM head W, tokens y [B,T] → [B,T].
+
+    The same numbers as token_logprobs(model's logits, y, T), but a few positions at a time (LOGITS_CHUNK
+    logits), each chunk recomputed in backward (checkpoint): the [B,T,V] logits are never all in memory, nor
+    kept for backward (with a 150k vocabulary they dwarf the model's own activations)."""
+    head = (model.module if isinstance(model, DDP) else model).get_output_embeddings()
+    positions = max(1, LOGITS_CHUNK // head.weight.shape[0])
+
+    def chunk(h, y):
+        return token_logprobs(head(h)[None], y[None], temperature)[0]
+
+    out = [
+        checkpoint(chunk, h, y, use_reentrant=False)
+        for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))
+    ]
+    return torch.cat(out).view_as(tokens)
 
 
 @torch.no_grad()
