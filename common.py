@@ -1,11 +1,12 @@
-"""Tokenisation and batching helpers shared by the method scripts (no losses, no training).
+"""Data, tokenisation and batching helpers shared by the method scripts (no losses, no training).
 
 - the built-in `arithmetic` task (3-digit addition, digits written least significant first, demonstrated
-  by a careless teacher) and its character-level tokenizer;
-- loading any other dataset (hub id or local .jsonl/.json/.parquet) in TRL's formats, normalised to
-  plain-text rows: {"prompt", "completion"} (SFT), {"prompt", "answer"} (RL), {"prompt", "chosen",
-  "rejected"} (preferences); conversational rows are rendered with the tokenizer's chat template;
-- tokenising, left padding (prompts, for generation) and right padding (completions), collation.
+  by a careless teacher), its character-level tokenizer, and how an answer is checked;
+- tokenising, left padding (prompts, for generation) and right padding (completions), collation;
+- below the infrastructure banner: loading tokenizers and any other dataset (hub id or local
+  .jsonl/.json/.parquet) in TRL's formats, normalised to plain-text rows: {"prompt", "completion"} (SFT),
+  {"prompt", "answer"} (RL), {"prompt", "chosen", "rejected"} (preferences); conversational rows are rendered
+  with the tokenizer's chat template.
 """
 
 import functools
@@ -16,19 +17,12 @@ import re
 import torch
 
 ARITHMETIC_EVAL_SIZE = 500  # held-out prompts, fixed for every stage and seed
+
 ARITHMETIC_TRAIN_SIZE = 100_000
+
 ARITHMETIC_SPLIT_SEED = 1234  # the split never depends on --seed, so every stage evaluates on the same prompts
+
 ARITHMETIC_SLIP = 0.7  # how often the SFT demonstrator forgets the carry into the hundreds (see teacher_sum)
-
-FORMATS = {
-    "sft": "prompt+completion, messages, text, or question+answer (GSM8K)",
-    "prompt": "prompt (with an optional answer), messages, or question+answer (GSM8K)",
-    "preference": "prompt+chosen+rejected, or chosen+rejected with an implicit shared prompt",
-}
-
-
-class DataError(ValueError):
-    """A user error in the data (missing file, missing column, empty dataset): reported in one line."""
 
 
 # ---------------------------------------------------------------- the built-in arithmetic task
@@ -125,30 +119,7 @@ def build_char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """AutoTokenizer.from_pretrained, except that a tokenizer saved as a plain `tokenizers` one (the built-in
-    character tokenizer) loads as saved: for some model types (qwen2) transformers 5 swaps in the type's own
-    class, whose byte-level pre-tokenizer silently drops the spaces and newlines of a character vocabulary.
-    A tokenizer without a pad token pads with EOS."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    from transformers.models.auto.tokenization_auto import get_tokenizer_config
-
-    if get_tokenizer_config(path).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token is None:  # masks come from lengths and positions, never from the pad id: EOS is safe
-        tokenizer.pad_token = tokenizer.eos_token
-        print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
-    return tokenizer
-
-
 # ---------------------------------------------------------------- answers
-def extract_gsm8k_answer(text: str) -> str:
-    """GSM8K's reference answer: the number after '####', without thousands separators."""
-    return text.split("####")[-1].strip().replace(",", "")
-
-
 def last_number(text: str) -> str | None:
     """The last number in a completion ('1,234' → '1234'), or None."""
     found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
@@ -170,7 +141,130 @@ def is_correct(completion: str, answer: str) -> bool:
         return False
 
 
-# ---------------------------------------------------------------- loading any dataset
+# ---------------------------------------------------------------- tokenising and batching
+def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS and each EOS of the model's generation_config
+    (chat models list several, e.g. Qwen's `<|im_end|>` and `<|endoftext|>`)."""
+    extra = getattr(generation_config, "eos_token_id", None)
+    extra = extra if isinstance(extra, (list, tuple)) else [extra]
+    return list(dict.fromkeys([tokenizer.eos_token_id] + [int(i) for i in extra if i is not None]))
+
+
+def tokenize(tokenizer, texts: list[str], add_eos: bool = False, max_length: int | None = None, eos_ids=None):
+    """Token ids of each text, cut to max_length. Prompts keep the tokenizer's own special tokens (e.g. BOS);
+    completions (`add_eos=True`) get none and end at their first EOS (any of `eos_ids`, default the
+    tokenizer's), as sampling would; one without an EOS gets the tokenizer's. A chat template's
+    `<|im_end|>\n` thus ends at `<|im_end|>`. (Prompts are cut from the left: tokenize_prompts.)"""
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer itself: faster on long lists
+    if backend is not None:
+        ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=not add_eos)]
+    else:
+        ids = tokenizer(texts, add_special_tokens=not add_eos)["input_ids"]
+    if not add_eos:  # an empty prompt becomes one EOS, so the first completion token has a context (GPT-2's way)
+        ids = [x or [tokenizer.eos_token_id] for x in ids]
+    else:
+        eos = set(eos_ids or [tokenizer.eos_token_id])
+        ends = [next((i for i, t in enumerate(x) if t in eos), None) for x in ids]
+        ids = [x + [tokenizer.eos_token_id] if end is None else x[: end + 1] for x, end in zip(ids, ends)]
+    return ids if max_length is None else [x[:max_length] for x in ids]
+
+
+def tokenize_prompts(tokenizer, rows: list[dict], max_length: int) -> list[list[int]]:
+    """Each row's prompt as token ids, truncated from the left: the end of a prompt is what gets answered."""
+    ids = tokenize(tokenizer, [r["prompt"] for r in rows])
+    if any(len(x) > max_length for x in ids):
+        warn_once(f"prompts longer than {max_length} tokens are left-truncated")
+    return [x[-max_length:] for x in ids]
+
+
+@functools.cache
+def warn_once(message: str):
+    """A warning printed the first time only (training batches, tokenized as they are drawn, would repeat it)."""
+    print(f"warning: {message}")
+
+
+def completion_batch(tokenizer, rows, completions: list[str], max_length: int, eos_ids=None, device="cpu") -> dict:
+    """collate() of the rows' prompts (left-truncated) and the completions, each ending at its first EOS (any of
+    eos_ids), both cut to max_length tokens, on `device`."""
+    prompts = tokenize_prompts(tokenizer, rows, max_length)
+    completion_ids = tokenize(tokenizer, completions, add_eos=True, max_length=max_length, eos_ids=eos_ids)
+    return {k: v.to(device) for k, v in collate(prompts, completion_ids, tokenizer.pad_token_id).items()}
+
+
+def pad(seqs: list[list[int]], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pads to the longest sequence on the `left` (prompts for generation) or `right` (completions).
+    Returns (ids [B, L], mask [B, L]); the mask marks real tokens, so it never depends on pad_id ≠ EOS."""
+    width = max(len(s) for s in seqs)
+
+    def padded(seq: list, fill) -> list:  # lists, then one tensor: far fewer torch calls than row by row
+        return [fill] * (width - len(seq)) + seq if side == "left" else seq + [fill] * (width - len(seq))
+
+    ids, mask = [padded(list(s), pad_id) for s in seqs], [padded([1] * len(s), 0) for s in seqs]
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+
+
+def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> dict:
+    """[left-padded prompts | right-padded completions] in one batch. The logits that predict the
+    completion are `logits[:, P - 1 : -1]` with P = prompt_ids.shape[1]; `completion_mask` is [B, T]."""
+    prompt_ids, prompt_mask = pad(prompts, pad_id, "left")
+    completion_ids, completion_mask = pad(completions, pad_id, "right")
+    return {
+        "input_ids": torch.cat([prompt_ids, completion_ids], 1),
+        "attention_mask": torch.cat([prompt_mask, completion_mask], 1),
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+    }
+
+
+def shuffled_batches(n: int, batch_size: int, seed: int):
+    """Endless index batches: a new permutation of range(n) each epoch, the same for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(n, generator=g).tolist()
+        for i in range(0, n - batch_size + 1 if n >= batch_size else 1, batch_size):
+            yield order[i : i + batch_size]
+
+
+# ======================================================================================================
+# Infrastructure: loading tokenizers and datasets (hub ids, local files, TRL's formats, chat templates), their
+# checks and errors, re-tokenising for another model's tokenizer. Not needed to follow the methods.
+# ======================================================================================================
+FORMATS = {
+    "sft": "prompt+completion, messages, text, or question+answer (GSM8K)",
+    "prompt": "prompt (with an optional answer), messages, or question+answer (GSM8K)",
+    "preference": "prompt+chosen+rejected, or chosen+rejected with an implicit shared prompt",
+}
+
+
+class DataError(ValueError):
+    """A user error in the data (missing file, missing column, empty dataset): reported in one line."""
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """AutoTokenizer.from_pretrained, except that a tokenizer saved as a plain `tokenizers` one (the built-in
+    character tokenizer) loads as saved: for some model types (qwen2) transformers 5 swaps in the type's own
+    class, whose byte-level pre-tokenizer silently drops the spaces and newlines of a character vocabulary.
+    A tokenizer without a pad token pads with EOS."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import get_tokenizer_config
+
+    if get_tokenizer_config(path).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:  # masks come from lengths and positions, never from the pad id: EOS is safe
+        tokenizer.pad_token = tokenizer.eos_token
+        print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
+    return tokenizer
+
+
+def extract_gsm8k_answer(text: str) -> str:
+    """GSM8K's reference answer: the number after '####', without thousands separators."""
+    return text.split("####")[-1].strip().replace(",", "")
+
+
 def is_conversational(value) -> bool:
     return isinstance(value, list) and len(value) > 0 and isinstance(value[0], dict) and "role" in value[0]
 
@@ -327,52 +421,6 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
     return out
 
 
-# ---------------------------------------------------------------- tokenising and batching
-def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
-    """Every id that ends a completion: the tokenizer's EOS and each EOS of the model's generation_config
-    (chat models list several, e.g. Qwen's `<|im_end|>` and `<|endoftext|>`)."""
-    extra = getattr(generation_config, "eos_token_id", None)
-    extra = extra if isinstance(extra, (list, tuple)) else [extra]
-    return list(dict.fromkeys([tokenizer.eos_token_id] + [int(i) for i in extra if i is not None]))
-
-
-def same_tokenizer(a, b) -> bool:
-    """True when two tokenizers give the same ids for the same text and conversation (vocabulary, special
-    tokens, chat template): then a reward model can read the policy's token ids as they are."""
-    return a is b or (
-        a.get_vocab() == b.get_vocab()
-        and (a.bos_token_id, a.eos_token_id) == (b.bos_token_id, b.eos_token_id)
-        and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
-    )
-
-
-def tokenize(tokenizer, texts: list[str], add_eos: bool = False, max_length: int | None = None, eos_ids=None):
-    """Token ids of each text, cut to max_length. Prompts keep the tokenizer's own special tokens (e.g. BOS);
-    completions (`add_eos=True`) get none and end at their first EOS (any of `eos_ids`, default the
-    tokenizer's), as sampling would; one without an EOS gets the tokenizer's. A chat template's
-    `<|im_end|>\n` thus ends at `<|im_end|>`. (Prompts are cut from the left: tokenize_prompts.)"""
-    backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer itself: faster on long lists
-    if backend is not None:
-        ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=not add_eos)]
-    else:
-        ids = tokenizer(texts, add_special_tokens=not add_eos)["input_ids"]
-    if not add_eos:  # an empty prompt becomes one EOS, so the first completion token has a context (GPT-2's way)
-        ids = [x or [tokenizer.eos_token_id] for x in ids]
-    else:
-        eos = set(eos_ids or [tokenizer.eos_token_id])
-        ends = [next((i for i, t in enumerate(x) if t in eos), None) for x in ids]
-        ids = [x + [tokenizer.eos_token_id] if end is None else x[: end + 1] for x, end in zip(ids, ends)]
-    return ids if max_length is None else [x[:max_length] for x in ids]
-
-
-def tokenize_prompts(tokenizer, rows: list[dict], max_length: int) -> list[list[int]]:
-    """Each row's prompt as token ids, truncated from the left: the end of a prompt is what gets answered."""
-    ids = tokenize(tokenizer, [r["prompt"] for r in rows])
-    if any(len(x) > max_length for x in ids):
-        warn_once(f"prompts longer than {max_length} tokens are left-truncated")
-    return [x[-max_length:] for x in ids]
-
-
 def check_prompt_lengths(tokenizer, rows: list[dict], max_length: int):
     """At start, on the held-out prompts: those longer than max_length are counted, and a limit that no prompt
     fits is a setting error (DataError). Training prompts are tokenized a batch at a time, as they are drawn."""
@@ -387,18 +435,14 @@ def check_prompt_lengths(tokenizer, rows: list[dict], max_length: int):
         warn_once(f"prompts longer than {max_length} tokens are left-truncated")
 
 
-@functools.cache
-def warn_once(message: str):
-    """A warning printed the first time only (training batches, tokenized as they are drawn, would repeat it)."""
-    print(f"warning: {message}")
-
-
-def completion_batch(tokenizer, rows, completions: list[str], max_length: int, eos_ids=None, device="cpu") -> dict:
-    """collate() of the rows' prompts (left-truncated) and the completions, each ending at its first EOS (any of
-    eos_ids), both cut to max_length tokens, on `device`."""
-    prompts = tokenize_prompts(tokenizer, rows, max_length)
-    completion_ids = tokenize(tokenizer, completions, add_eos=True, max_length=max_length, eos_ids=eos_ids)
-    return {k: v.to(device) for k, v in collate(prompts, completion_ids, tokenizer.pad_token_id).items()}
+def same_tokenizer(a, b) -> bool:
+    """True when two tokenizers give the same ids for the same text and conversation (vocabulary, special
+    tokens, chat template): then a reward model can read the policy's token ids as they are."""
+    return a is b or (
+        a.get_vocab() == b.get_vocab()
+        and (a.bos_token_id, a.eos_token_id) == (b.bos_token_id, b.eos_token_id)
+        and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
+    )
 
 
 def retokenize(tokenizer, rows: list[dict], completions: list[str], ended: list[bool], max_prompt_length: int):
@@ -418,39 +462,3 @@ def retokenize(tokenizer, rows: list[dict], completions: list[str], ended: list[
     completion_ids = [ids if done else ids[:-1] for ids, done in zip(tokenize(tokenizer, texts, add_eos=True), ended)]
     batch = collate(prompt_ids, completion_ids, tokenizer.pad_token_id)
     return batch["input_ids"], batch["attention_mask"]
-
-
-def pad(seqs: list[list[int]], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pads to the longest sequence on the `left` (prompts for generation) or `right` (completions).
-    Returns (ids [B, L], mask [B, L]); the mask marks real tokens, so it never depends on pad_id ≠ EOS."""
-    width = max(len(s) for s in seqs)
-
-    def padded(seq: list, fill) -> list:  # lists, then one tensor: far fewer torch calls than row by row
-        return [fill] * (width - len(seq)) + seq if side == "left" else seq + [fill] * (width - len(seq))
-
-    ids, mask = [padded(list(s), pad_id) for s in seqs], [padded([1] * len(s), 0) for s in seqs]
-    return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
-
-
-def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> dict:
-    """[left-padded prompts | right-padded completions] in one batch. The logits that predict the
-    completion are `logits[:, P - 1 : -1]` with P = prompt_ids.shape[1]; `completion_mask` is [B, T]."""
-    prompt_ids, prompt_mask = pad(prompts, pad_id, "left")
-    completion_ids, completion_mask = pad(completions, pad_id, "right")
-    return {
-        "input_ids": torch.cat([prompt_ids, completion_ids], 1),
-        "attention_mask": torch.cat([prompt_mask, completion_mask], 1),
-        "prompt_ids": prompt_ids,
-        "prompt_mask": prompt_mask,
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-    }
-
-
-def shuffled_batches(n: int, batch_size: int, seed: int):
-    """Endless index batches: a new permutation of range(n) each epoch, the same for the same seed."""
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        order = torch.randperm(n, generator=g).tolist()
-        for i in range(0, n - batch_size + 1 if n >= batch_size else 1, batch_size):
-            yield order[i : i + batch_size]
