@@ -1,16 +1,14 @@
 """Direct Preference Optimization (DPO): the KL-constrained RLHF objective solved in closed form.
 
 The optimal policy of max 𝔼[r] − β·D_KL[π ‖ π_ref] satisfies r(x, y) = β·log(π(y|x) / π_ref(y|x)) + β·log Z(x).
-Substituting this implicit reward into Bradley–Terry, Z(x) cancels and the policy is trained directly on
-preference pairs (y_w ≻ y_l), with no reward model and no sampling during training (Rafailov et al. 2023):
+In Bradley–Terry Z(x) cancels: the policy learns from preference pairs y_w ≻ y_l directly, with no reward model and
+no sampling while training (Rafailov et al. 2023); on the built-in task the pairs are π_ref's own right and wrong
+samples, drawn once before training (`--sample-pairs 0`: the task's fixed pairs):
 
     h = log π_θ(y_w|x)/π_ref(y_w|x) − log π_θ(y_l|x)/π_ref(y_l|x)
     ℒ_DPO(θ) = −𝔼[ log σ(β·h) ]         (label smoothing ls: −(1−ls)·log σ(βh) − ls·log σ(−βh))
     ℒ_IPO(θ) = 𝔼[ (h − 1/(2β))² ]       (Azar et al. 2023)
     + α·𝔼[ −log π_θ(y_w|x) / |y_w| ]     (--rpo-alpha: RPO, Pang et al. 2024: keeps log π(y_w) from falling)
-
-On the built-in task the pairs are, by default, π_ref's own samples (a right and a wrong answer to the same prompt,
-judged by the answer key), as in the paper's controlled experiments; `--sample-pairs 0`: the task's fixed pairs.
 
     python dpo.py                                    # after `python sft.py`: the built-in task, CPU
     python dpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized --lr 5e-7 --batch-size 32

@@ -1,15 +1,14 @@
-"""RLHF with Proximal Policy Optimization (PPO): the InstructGPT recipe.
+"""RLHF with Proximal Policy Optimization (PPO): the InstructGPT recipe (Ouyang et al. 2022).
 
-A learned reward model r_ϕ scores each sampled completion; a KL penalty to the reference keeps the policy
-near π_ref; a critic V_ψ (initialised from the reward model) is the baseline for GAE advantages:
+A learned reward model r_ϕ scores each sampled completion; a KL penalty to the reference keeps the policy near
+π_ref; a critic V_ψ (initialised from the reward model) is the baseline for GAE advantages (Schulman et al. 2016,
+arXiv:1506.02438) in PPO's clipped objective (Schulman et al. 2017, arXiv:1707.06347):
 
     r_t = −β·(log π_θold(y_t) − log π_ref(y_t))  (+ r_ϕ(x, y) at the last token)
     δ_t = r_t + γ·V_ψ(s_{t+1}) − V_ψ(s_t),   Â_t = Σ_l (γλ)^l·δ_{t+l}           (GAE)
     ρ_t = π_θ(y_t | s_t) / π_θold(y_t | s_t)
     ℒ_policy = −𝔼_t[ min(ρ_t·Â_t, clip(ρ_t, 1−ε, 1+ε)·Â_t) ]
     ℒ_value  = ½·𝔼_t[ max((V_ψ − R_t)², (clip(V_ψ, V_old − ε, V_old + ε) − R_t)²) ],  R_t = Â_t + V_old
-
-Schulman et al. 2017 (arXiv:1707.06347), GAE: Schulman et al. 2016 (arXiv:1506.02438), Ouyang et al. 2022.
 
     python ppo.py                                    # after `python sft.py` and `python reward_model.py`
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --reward-model <rm> --dataset trl-lib/tldr --max-new-tokens 64 --lr 1e-6 \
