@@ -299,7 +299,7 @@ def main(args: Args):
         totals = {"loss": 0.0}
         for k in range(args.grad_accum_steps):
             mine = process_share(idx, run, args.batch_size, micro_batch=k)
-            missing = [i for i in mine if ref_cache[i, 0].isnan()]
+            missing = [i for i, new in zip(mine, ref_cache[mine, 0].isnan().tolist()) if new]  # one device sync
             if missing:
                 ref_cache[missing] = reference_logps(policy, ref, pairs_at(train_rows, missing), autocast)
             batch = pairs_at(train_rows, mine)
