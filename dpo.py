@@ -171,10 +171,8 @@ def sequence_logps(model, batch: dict) -> torch.Tensor:
         logits_to_keep=1,
         output_hidden_states=True,
     )
-    return (
-        lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], batch["completion_ids"])
-        * batch["completion_mask"]
-    ).sum(1)
+    logps = lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], batch["completion_ids"])
+    return (logps * batch["completion_mask"]).sum(1)
 
 
 def pair_batch(tokenizer, rows: list[dict], max_length: int, device, eos_ids: list[int] | None = None) -> dict:

@@ -348,19 +348,17 @@ def main(args: Args):
 
         # 5. log, evaluate, checkpoint
         groups = rewards.view(-1, G)
-        totals.update(  # TRL's names
-            {
-                "grad_norm": grad_norm,
-                "lr": schedule.get_last_lr()[0],
-                "reward": rewards.mean().item(),
-                "reward_std": rewards.std().item(),
-                "frac_reward_zero_std": (groups.max(1).values == groups.min(1).values).float().mean().item(),
-                "completions/mean_length": mask.sum(1).float().mean().item(),
-                "completions/clipped_ratio": 1 - ended.float().mean().item(),  # cut by the length limit, no EOS
-                "skipped_steps": run.skipped,
-                "generation_s": gen_time,
-            }
-        )
+        totals |= {  # TRL's names
+            "grad_norm": grad_norm,
+            "lr": schedule.get_last_lr()[0],
+            "reward": rewards.mean().item(),
+            "reward_std": rewards.std().item(),
+            "frac_reward_zero_std": (groups.max(1).values == groups.min(1).values).float().mean().item(),
+            "completions/mean_length": mask.sum(1).float().mean().item(),
+            "completions/clipped_ratio": 1 - ended.float().mean().item(),  # cut by the length limit, no EOS
+            "skipped_steps": run.skipped,
+            "generation_s": gen_time,
+        }
         metrics = mean_over_processes({f"train/{k}": v for k, v in totals.items()}, run.device)
         log(run, metrics, step)
         progress.set_postfix(reward=f"{metrics['train/reward']:.3f}", kl=f"{metrics['train/kl']:.4f}")

@@ -391,19 +391,17 @@ def main(args: Args):
 
         # 4. log, evaluate, checkpoint
         kl = ((old_logps - ref_logps) * mask).sum(1)  # per-sequence KL estimate to the reference
-        stats.update(
-            {
-                "score": scores.mean().item(),
-                "kl": kl.mean().item(),
-                "rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
-                "explained_variance": explained_variance(old_values, returns, mask),
-                "completions/mean_length": mask.sum(1).float().mean().item(),  # named as in grpo.py (TRL's GRPO)
-                "completions/clipped_ratio": 1 - ended.float().mean().item(),  # cut by the length limit, no EOS
-                "lr": schedule.get_last_lr()[0],
-                "skipped_steps": run.skipped,
-                "generation_s": gen_time,
-            }
-        )
+        stats |= {
+            "score": scores.mean().item(),
+            "kl": kl.mean().item(),
+            "rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
+            "explained_variance": explained_variance(old_values, returns, mask),
+            "completions/mean_length": mask.sum(1).float().mean().item(),  # named as in grpo.py (TRL's GRPO)
+            "completions/clipped_ratio": 1 - ended.float().mean().item(),  # cut by the length limit, no EOS
+            "lr": schedule.get_last_lr()[0],
+            "skipped_steps": run.skipped,
+            "generation_s": gen_time,
+        }
         metrics = mean_over_processes({f"train/{k}": v for k, v in stats.items()}, run.device)
         log(run, metrics, step)
         progress.set_postfix(score=f"{metrics['train/score']:.3f}", kl=f"{metrics['train/kl']:.3f}")
