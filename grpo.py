@@ -315,14 +315,13 @@ def main(args: Args):
         size = math.ceil(len(input_ids) / args.grad_accum_steps)  # sequences per forward/backward pass
         micro = [slice(i, i + size) for i in range(0, len(input_ids), size)]
         rollout = [(input_ids[s], attention_mask[s], completion_ids[s]) for s in micro]
-        ref_logps = None
-        if args.beta != 0:
-            with torch.no_grad(), autocast, reference_policy(policy, ref) as pi_ref:
-                ref_logps = [forward_logps(pi_ref, *r, args.temperature) for r in rollout]
+        ref_logps = old_logps = None
         with torch.no_grad(), autocast:
-            old_logps = (
-                [forward_logps(policy, *r, args.temperature) for r in rollout] if args.num_iterations > 1 else None
-            )
+            if args.beta != 0:
+                with reference_policy(policy, ref) as pi_ref:
+                    ref_logps = [forward_logps(pi_ref, *r, args.temperature) for r in rollout]
+            if args.num_iterations > 1:
+                old_logps = [forward_logps(policy, *r, args.temperature) for r in rollout]
 
         # 4. μ optimiser steps on the clipped objective, gradients accumulated over micro-batches
         # dapo averages over every token of the step, in all processes (DDP averages the processes' gradients)
