@@ -10,6 +10,7 @@
 """
 
 import functools
+import json
 import os
 import random
 import re
@@ -117,6 +118,20 @@ def build_char_tokenizer():
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(specials)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def is_builtin_model(path: str | None) -> bool:
+    """Whether `path` is the built-in task's tiny model: None (sft.py builds it) or a directory whose tokenizer is
+    the character tokenizer (a model sft.py built, or a stage trained from one). Such runs get the built-in task's
+    tuned defaults; any other model gets defaults fit for a pretrained one."""
+    if path is None:
+        return True
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        return False
+    with open(file) as f:
+        vocab = json.load(f)["model"].get("vocab")
+    return vocab == build_char_tokenizer().backend_tokenizer.get_vocab(with_added_tokens=False)
 
 
 # ---------------------------------------------------------------- answers
@@ -270,12 +285,15 @@ def is_conversational(value) -> bool:
 
 
 def render_chat(tokenizer, messages, add_generation_prompt: bool) -> str:
+    """The conversation as the chat template writes it, to be tokenized like any prompt (with the tokenizer's own
+    special tokens): its ids are then apply_chat_template's. A tokenizer that adds BOS itself (Llama 3) would
+    double the BOS the template writes, so that one is dropped; one that adds none (SmolLM2) keeps it."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError("conversational rows (lists of role/content messages) need a tokenizer with a chat template")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    # The template writes BOS itself; drop it so that tokenizer(prompt) adds it exactly once, as for plain text.
     bos = tokenizer.bos_token
-    return text[len(bos) :] if bos and text.startswith(bos) else text
+    adds_bos = bos is not None and tokenizer("")["input_ids"][:1] == [tokenizer.bos_token_id]
+    return text[len(bos) :] if adds_bos and text.startswith(bos) else text
 
 
 def _split_chat(tokenizer, prompt_messages, completion_messages) -> tuple[str, str]:
@@ -452,6 +470,12 @@ def retokenize(tokenizer, rows: list[dict], completions: list[str], ended: list[
     the policy emitted one (`ended`)."""
     prompts, texts = [], []
     for row, completion in zip(rows, completions):
+        if row.get("messages") and getattr(tokenizer, "chat_template", None) is None:
+            raise DataError(
+                f"the reward model's tokenizer ({tokenizer.name_or_path}) has no chat template, so it cannot read the "
+                "policy's conversational prompts: give it one (save a tokenizer with a chat_template beside the reward "
+                "model), train the reward model from this chat model with reward_model.py, or use plain-text prompts"
+            )
         if row.get("messages"):
             prompt, completion = _split_chat(tokenizer, row["messages"], [{"role": "assistant", "content": completion}])
         else:

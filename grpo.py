@@ -11,7 +11,7 @@ and minimise ℒ = −J. D_KL is the per-token k3 estimator π_ref/π_θ − log
 Shao et al. 2024, DeepSeekMath (arXiv:2402.03300); DeepSeek-R1 (arXiv:2501.12948).
 
     python grpo.py                                   # after `python sft.py`: the built-in addition task, CPU
-    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --group-size 16 --max-new-tokens 256
+    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --group-size 16
 """
 
 import math
@@ -42,14 +42,14 @@ class Args:
     trust_remote_code: bool = False
     """allow model repositories to run their own code"""
     # sampling: G completions per prompt at temperature T
-    prompts_per_step: int = 64
-    """prompts sampled per round and process (each prompt's whole group stays in its process)"""
+    prompts_per_step: int | None = None
+    """prompts sampled per round and process (each prompt's whole group stays in its process) (default: by run, see the table above)"""
     group_size: int = 8
     """G: completions sampled per prompt"""
-    temperature: float = 0.7
-    """sampling temperature (log-probs are computed at the same temperature)"""
-    max_new_tokens: int = 8
-    """completion length limit"""
+    temperature: float | None = None
+    """sampling temperature (log-probs are computed at the same temperature) (default: by run, see the table above)"""
+    max_new_tokens: int | None = None
+    """completion length limit (default: by run, see the table above)"""
     static_cache: bool = False
     """sample with a static (preallocated) KV cache; on CUDA transformers then compiles the decoding step: faster after a slow first call, the same distribution"""
     # the objective: clipped ratio ρ, KL to π_ref, advantages Â
@@ -68,12 +68,12 @@ class Args:
     """optimisation rounds; each samples prompts_per_step × group_size completions"""
     num_iterations: int = 1
     """μ: optimiser steps on each generated batch (1: old log-probs are the current ones, detached)"""
-    grad_accum_steps: int = 2
-    """micro-batches per optimiser step: the round's prompts_per_step × group_size sequences go through forward and backward in this many parts, gradients summed (less memory)"""
-    lr: float = 2e-4
-    """learning rate (AdamW)"""
-    warmup_steps: int = 10
-    """linear warm-up steps"""
+    grad_accum_steps: int | None = None
+    """micro-batches per optimiser step: the round's prompts_per_step × group_size sequences go through forward and backward in this many parts, gradients summed (less memory) (default: by run, see the table above)"""
+    lr: float | None = None
+    """learning rate (AdamW) (default: by run, see the table above)"""
+    warmup_steps: int | None = None
+    """linear warm-up steps (default: by run, see the table above)"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold (global L2 norm)"""
     # evaluation
@@ -117,6 +117,19 @@ class Args:
     """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
     skip_nonfinite: bool = False
     """skip optimiser steps whose loss or gradient norm is NaN/inf (counted) instead of stopping"""
+
+
+# The flags left at None above take a default that depends on the run: the built-in task's tuned value, or, with
+# any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
+# given on the command line always wins; --help lists both sets; the run prints which it used.
+DEFAULTS = {  # flag: (built-in task, pretrained model)
+    "prompts_per_step": (64, 8),
+    "temperature": (0.7, 1.0),
+    "max_new_tokens": (8, 256),
+    "grad_accum_steps": (2, 8),
+    "lr": (2e-4, 1e-6),
+    "warmup_steps": (10, 0),
+}
 
 
 # ---------------------------------------------------------------- the math
@@ -360,6 +373,10 @@ def main(args: Args):
         }
         metrics = mean_over_processes({f"train/{k}": v for k, v in totals.items()}, run.device)
         log(run, metrics, step)
+        if metrics["train/completions/clipped_ratio"] > 0.5:
+            common.warn_once(
+                f"most completions hit the {args.max_new_tokens}-token limit without an EOS: raise --max-new-tokens"
+            )
         progress.set_postfix(reward=f"{metrics['train/reward']:.3f}", kl=f"{metrics['train/kl']:.4f}")
         if step % args.eval_every == 0 or step == args.steps:
             end = run_eval(step)
@@ -618,17 +635,19 @@ def generate_exactly(
 
 
 def start_run(args: Args, script: str) -> SimpleNamespace:
-    """What every run does before the method: a signal now exits at once (nothing to save yet), bad flags
-    stop it with one line, --resume finds its checkpoint, the seeds are set and torchrun's processes join.
+    """What every run does before the method: a signal now exits at once (nothing to save yet), --resume finds
+    its checkpoint, the flags left at None take their DEFAULTS, bad flags stop the run with one line, the seeds
+    are set and torchrun's processes join.
     Returns `run`: rank, world, device, checkpoint and its state (None on a fresh run), the run's name, and
     what the loop keeps (skipped steps, the last checkpoint, stop signals, the metrics file and wandb)."""
     t_start = time.time()  # every metrics row carries the wall time since here
     on_stop_signal(None)
     # peft reads transformers' deprecated is_gradient_checkpointing at every LoRA model: peft's warning, not the user's
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+    checkpoint, state = load_checkpoint(args)  # on resume, the flags not given are the run's own
+    resolve_defaults(args)
     check_args(args)
     probe_writable(args.output_dir)
-    checkpoint, state = load_checkpoint(args)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -675,6 +694,8 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
         print(f"resuming from {run.checkpoint} (step {run.state['step']})")
     if run.rank == 0:
         run.metrics_file = open_metrics(run.name, run.state["step"] if run.state else None)
+        with open(f"runs/{run.name}/args.json", "w") as f:  # the flags as resolved: what this run really used
+            json.dump(asdict(args), f, indent=1)
     if args.track and run.rank == 0:
         import wandb
 
@@ -710,10 +731,12 @@ def gradient_sync(model, last: bool):
 
 
 def lr_schedule(optimizer, warmup_steps: int, steps: int, decay: bool):
-    """Linear warm-up over warmup_steps, then constant or (decay) linearly down to 0 at the last step."""
+    """Linear warm-up over warmup_steps (0: none), then constant or (decay) linearly down to 0 at the last step."""
 
     def factor(s: int) -> float:
-        return min((s + 1) / warmup_steps, max(0.0, (steps - s) / max(1, steps - warmup_steps)) if decay else 1.0)
+        if s < warmup_steps:
+            return (s + 1) / warmup_steps
+        return max(0.0, (steps - s) / max(1, steps - warmup_steps)) if decay else 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -1090,7 +1113,6 @@ def check_args(args: Args):
             "num_iterations",
             "grad_accum_steps",
             "lr",
-            "warmup_steps",
             "max_grad_norm",
             "clip_eps",
             "temperature",
@@ -1100,7 +1122,7 @@ def check_args(args: Args):
             "eval_size",
             "keep_checkpoints",
         ],
-        ["beta", "format_reward", "seed", "save_every"],
+        ["beta", "format_reward", "warmup_steps", "seed", "save_every"],
     )
     check_lora(args)
     if args.group_size < 2:
@@ -1109,6 +1131,26 @@ def check_args(args: Args):
         fail(f"--grad-accum-steps ({args.grad_accum_steps}) must be at most --prompts-per-step × --group-size")
     if args.format_reward and args.reward_model:
         fail("--format-reward adds to the rule-based reward only: drop it or --reward-model")
+
+
+def resolve_defaults(args: Args):
+    """The flags left at None take their DEFAULTS value: the built-in task's when the run is the built-in task
+    (its dataset and tiny model), else the pretrained set's. Prints which set the run uses."""
+    builtin = args.dataset == "arithmetic" and common.is_builtin_model(args.model)
+    taken = []
+    for name, values in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values[0] if builtin else values[1])
+            taken.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+    which = "the built-in task's defaults" if builtin else "defaults for a pretrained model"
+    print(f"{which}: {', '.join(taken) or 'none (every such flag was given)'}")
+
+
+def defaults_help() -> str:
+    """The two sets of DEFAULTS as a table, for --help."""
+    lines = [f"  {'--' + name.replace('_', '-'):<22} {a!s:<14} {b}" for name, (a, b) in DEFAULTS.items()]
+    header = f"  {'flag':<22} {'built-in task':<14} pretrained model (any other dataset or model)"
+    return "\n\nDefaults that depend on the run (a flag given always wins):\n" + "\n".join([header, *lines])
 
 
 def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
@@ -1177,7 +1219,7 @@ def write_failed(path: str, e: Exception, output_dir: str):
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = tyro.cli(Args, description=__doc__ + defaults_help())
     try:
         main(args)
     except common.DataError as e:

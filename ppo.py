@@ -11,8 +11,7 @@ arXiv:1506.02438) in PPO's clipped objective (Schulman et al. 2017, arXiv:1707.0
     ℒ_value  = ½·𝔼_t[ max((V_ψ − R_t)², (clip(V_ψ, V_old − ε, V_old + ε) − R_t)²) ],  R_t = Â_t + V_old
 
     python ppo.py                                    # after `python sft.py` and `python reward_model.py`
-    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --reward-model <rm> --dataset trl-lib/tldr --max-new-tokens 64 --lr 1e-6 \
-        --kl-coef 0.05
+    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --reward-model <rm> --dataset trl-lib/tldr --max-new-tokens 64
 """
 
 import time
@@ -41,12 +40,12 @@ class Args:
     trust_remote_code: bool = False
     """allow model repositories to run their own code"""
     # sampling
-    prompts_per_step: int = 128
-    """prompts per rollout (one completion each)"""
+    prompts_per_step: int | None = None
+    """prompts per rollout (one completion each) (default: by run, see the table above)"""
     temperature: float = 0.7
     """sampling temperature (every log-prob is computed at the same temperature)"""
-    max_new_tokens: int = 8
-    """completion length limit"""
+    max_new_tokens: int | None = None
+    """completion length limit (default: by run, see the table above)"""
     static_cache: bool = False
     """sample with a static (preallocated) KV cache; on CUDA transformers then compiles the decoding step: faster after a slow first call, the same distribution"""
     # the objective: clipped ratio ρ, KL-penalised rewards, GAE advantages Â, value loss
@@ -56,9 +55,8 @@ class Args:
     """values move at most this far from V_old in the clipped value loss"""
     vf_coef: float = 0.1
     """weight of the value loss"""
-    kl_coef: float = 2.0
-    """β: per-token KL penalty to the reference in the reward (2 holds the tiny model close to what the
-    reward model has seen; 0.05 is usual for hub models and reward models)"""
+    kl_coef: float | None = None
+    """β: per-token KL penalty to the reference in the reward (default: by run, see the table above)"""
     gamma: float = 1.0
     """γ: discount"""
     lam: float = 0.95
@@ -68,16 +66,16 @@ class Args:
     # optimisation
     steps: int = 200
     """rollout/update rounds"""
-    num_ppo_epochs: int = 2
-    """passes over each rollout"""
+    num_ppo_epochs: int | None = None
+    """passes over each rollout (default: by run, see the table above)"""
     num_mini_batches: int = 2
     """minibatches per pass (one optimiser step each)"""
     grad_accum_steps: int = 1
     """micro-batches per minibatch: gradients are summed over them before its optimiser step (less memory)"""
-    lr: float = 2e-5
-    """learning rate of policy and critic (AdamW)"""
-    warmup_steps: int = 10
-    """linear warm-up rounds"""
+    lr: float | None = None
+    """learning rate of policy and critic (AdamW) (default: by run, see the table above)"""
+    warmup_steps: int | None = None
+    """linear warm-up rounds (default: by run, see the table above)"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold (global L2 norm, policy and critic each)"""
     # evaluation
@@ -121,6 +119,19 @@ class Args:
     """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
     skip_nonfinite: bool = False
     """skip optimiser steps whose loss or gradient norm is NaN/inf (counted) instead of stopping"""
+
+
+# The flags left at None above take a default that depends on the run: the built-in task's tuned value, or, with
+# any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
+# given on the command line always wins; --help lists both sets; the run prints which it used.
+DEFAULTS = {  # flag: (built-in task, pretrained model)
+    "prompts_per_step": (128, 16),
+    "max_new_tokens": (8, 256),
+    "kl_coef": (2.0, 0.05),
+    "num_ppo_epochs": (2, 4),
+    "lr": (2e-5, 3e-6),
+    "warmup_steps": (10, 0),
+}
 
 
 # ---------------------------------------------------------------- the math
@@ -404,6 +415,10 @@ def main(args: Args):
         }
         metrics = mean_over_processes({f"train/{k}": v for k, v in stats.items()}, run.device)
         log(run, metrics, step)
+        if metrics["train/completions/clipped_ratio"] > 0.5:
+            common.warn_once(
+                f"most completions hit the {args.max_new_tokens}-token limit without an EOS: raise --max-new-tokens"
+            )
         progress.set_postfix(score=f"{metrics['train/score']:.3f}", kl=f"{metrics['train/kl']:.3f}")
         if step % args.eval_every == 0 or step == args.steps:
             end = run_eval(step)
@@ -657,17 +672,19 @@ def generate_exactly(
 
 
 def start_run(args: Args, script: str) -> SimpleNamespace:
-    """What every run does before the method: a signal now exits at once (nothing to save yet), bad flags
-    stop it with one line, --resume finds its checkpoint, the seeds are set and torchrun's processes join.
+    """What every run does before the method: a signal now exits at once (nothing to save yet), --resume finds
+    its checkpoint, the flags left at None take their DEFAULTS, bad flags stop the run with one line, the seeds
+    are set and torchrun's processes join.
     Returns `run`: rank, world, device, checkpoint and its state (None on a fresh run), the run's name, and
     what the loop keeps (skipped steps, the last checkpoint, stop signals, the metrics file and wandb)."""
     t_start = time.time()  # every metrics row carries the wall time since here
     on_stop_signal(None)
     # peft reads transformers' deprecated is_gradient_checkpointing at every LoRA model: peft's warning, not the user's
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+    checkpoint, state = load_checkpoint(args)  # on resume, the flags not given are the run's own
+    resolve_defaults(args)
     check_args(args)
     probe_writable(args.output_dir)
-    checkpoint, state = load_checkpoint(args)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -714,6 +731,8 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
         print(f"resuming from {run.checkpoint} (step {run.state['step']})")
     if run.rank == 0:
         run.metrics_file = open_metrics(run.name, run.state["step"] if run.state else None)
+        with open(f"runs/{run.name}/args.json", "w") as f:  # the flags as resolved: what this run really used
+            json.dump(asdict(args), f, indent=1)
     if args.track and run.rank == 0:
         import wandb
 
@@ -749,10 +768,12 @@ def gradient_sync(model, last: bool):
 
 
 def lr_schedule(optimizer, warmup_steps: int, steps: int, decay: bool):
-    """Linear warm-up over warmup_steps, then constant or (decay) linearly down to 0 at the last step."""
+    """Linear warm-up over warmup_steps (0: none), then constant or (decay) linearly down to 0 at the last step."""
 
     def factor(s: int) -> float:
-        return min((s + 1) / warmup_steps, max(0.0, (steps - s) / max(1, steps - warmup_steps)) if decay else 1.0)
+        if s < warmup_steps:
+            return (s + 1) / warmup_steps
+        return max(0.0, (steps - s) / max(1, steps - warmup_steps)) if decay else 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -1154,7 +1175,6 @@ def check_args(args: Args):
             "num_mini_batches",
             "grad_accum_steps",
             "lr",
-            "warmup_steps",
             "max_grad_norm",
             "clip_eps",
             "clip_eps_value",
@@ -1165,7 +1185,7 @@ def check_args(args: Args):
             "eval_size",
             "keep_checkpoints",
         ],
-        ["vf_coef", "kl_coef", "missing_eos_penalty", "seed", "save_every"],
+        ["vf_coef", "kl_coef", "missing_eos_penalty", "warmup_steps", "seed", "save_every"],
     )
     if args.prompts_per_step < args.num_mini_batches * args.grad_accum_steps:
         fail(f"--prompts-per-step ({args.prompts_per_step}) must be at least --num-mini-batches × --grad-accum-steps")
@@ -1176,6 +1196,26 @@ def check_args(args: Args):
     check_lora(args)
     if not 0 <= args.lam <= 1 or not 0 <= args.gamma <= 1:
         fail(f"--gamma and --lam must be in [0, 1] (got {args.gamma}, {args.lam})")
+
+
+def resolve_defaults(args: Args):
+    """The flags left at None take their DEFAULTS value: the built-in task's when the run is the built-in task
+    (its dataset and tiny model), else the pretrained set's. Prints which set the run uses."""
+    builtin = args.dataset == "arithmetic" and common.is_builtin_model(args.model)
+    taken = []
+    for name, values in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values[0] if builtin else values[1])
+            taken.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+    which = "the built-in task's defaults" if builtin else "defaults for a pretrained model"
+    print(f"{which}: {', '.join(taken) or 'none (every such flag was given)'}")
+
+
+def defaults_help() -> str:
+    """The two sets of DEFAULTS as a table, for --help."""
+    lines = [f"  {'--' + name.replace('_', '-'):<22} {a!s:<14} {b}" for name, (a, b) in DEFAULTS.items()]
+    header = f"  {'flag':<22} {'built-in task':<14} pretrained model (any other dataset or model)"
+    return "\n\nDefaults that depend on the run (a flag given always wins):\n" + "\n".join([header, *lines])
 
 
 def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
@@ -1244,7 +1284,7 @@ def write_failed(path: str, e: Exception, output_dir: str):
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = tyro.cli(Args, description=__doc__ + defaults_help())
     try:
         main(args)
     except common.DataError as e:

@@ -11,7 +11,7 @@ by default, the SFT model's own samples, a right and a wrong answer to the same 
 labellers also ranked the policy's own samples): those are the answers PPO will have to tell apart.
 
     python reward_model.py                           # after `python sft.py`: the built-in task, CPU
-    python reward_model.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized --lr 1e-5
+    python reward_model.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized
 """
 
 import random
@@ -50,21 +50,21 @@ class Args:
     dataset's fixed pairs)"""
     sample_temperature: float = 0.7
     """temperature of those samples (ppo.py samples at 0.7 too)"""
-    max_new_tokens: int = 8
-    """length limit of those samples (the built-in task's answers have at most 4 digits)"""
+    max_new_tokens: int | None = None
+    """length limit of those samples (the built-in task's answers have at most 4 digits) (default: by run, see the table above)"""
     sample_prompts: int = 60000
     """training prompts sampled for those pairs (only prompts with a right and a wrong sample give a pair)"""
     # optimisation
     steps: int = 4500
     """optimiser steps"""
-    batch_size: int = 64
-    """preference pairs per micro-batch and process (one optimiser step: batch_size × grad_accum_steps × processes)"""
+    batch_size: int | None = None
+    """preference pairs per micro-batch and process (one optimiser step: batch_size × grad_accum_steps × processes) (default: by run, see the table above)"""
     grad_accum_steps: int = 1
     """micro-batches whose gradients are summed before each optimiser step"""
-    lr: float = 3e-4
-    """peak learning rate (AdamW); use ~1e-5 for pretrained models"""
-    warmup_steps: int = 20
-    """linear warm-up steps"""
+    lr: float | None = None
+    """peak learning rate (AdamW); use ~1e-5 for pretrained models (default: by run, see the table above)"""
+    warmup_steps: int | None = None
+    """linear warm-up steps (default: by run, see the table above)"""
     lr_decay: bool = True
     """after the warm-up, decay the learning rate linearly to 0 at the last step (--no-lr-decay: constant)"""
     max_grad_norm: float = 1.0
@@ -110,6 +110,17 @@ class Args:
     """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
     skip_nonfinite: bool = False
     """skip optimiser steps whose loss or gradient norm is NaN/inf (counted) instead of stopping"""
+
+
+# The flags left at None above take a default that depends on the run: the built-in task's tuned value, or, with
+# any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
+# given on the command line always wins; --help lists both sets; the run prints which it used.
+DEFAULTS = {  # flag: (built-in task, pretrained model)
+    "lr": (3e-4, 1e-5),
+    "warmup_steps": (20, 0),
+    "batch_size": (64, 8),
+    "max_new_tokens": (8, 256),
+}
 
 
 # ---------------------------------------------------------------- the math
@@ -455,17 +466,19 @@ def enable_checkpointing(model):
 
 
 def start_run(args: Args, script: str) -> SimpleNamespace:
-    """What every run does before the method: a signal now exits at once (nothing to save yet), bad flags
-    stop it with one line, --resume finds its checkpoint, the seeds are set and torchrun's processes join.
+    """What every run does before the method: a signal now exits at once (nothing to save yet), --resume finds
+    its checkpoint, the flags left at None take their DEFAULTS, bad flags stop the run with one line, the seeds
+    are set and torchrun's processes join.
     Returns `run`: rank, world, device, checkpoint and its state (None on a fresh run), the run's name, and
     what the loop keeps (skipped steps, the last checkpoint, stop signals, the metrics file and wandb)."""
     t_start = time.time()  # every metrics row carries the wall time since here
     on_stop_signal(None)
     # peft reads transformers' deprecated is_gradient_checkpointing at every LoRA model: peft's warning, not the user's
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+    checkpoint, state = load_checkpoint(args)  # on resume, the flags not given are the run's own
+    resolve_defaults(args)
     check_args(args)
     probe_writable(args.output_dir)
-    checkpoint, state = load_checkpoint(args)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -512,6 +525,8 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
         print(f"resuming from {run.checkpoint} (step {run.state['step']})")
     if run.rank == 0:
         run.metrics_file = open_metrics(run.name, run.state["step"] if run.state else None)
+        with open(f"runs/{run.name}/args.json", "w") as f:  # the flags as resolved: what this run really used
+            json.dump(asdict(args), f, indent=1)
     if args.track and run.rank == 0:
         import wandb
 
@@ -542,10 +557,12 @@ def process_share(step_batch: list, run: SimpleNamespace, size: int, micro_batch
 
 
 def lr_schedule(optimizer, warmup_steps: int, steps: int, decay: bool):
-    """Linear warm-up over warmup_steps, then constant or (decay) linearly down to 0 at the last step."""
+    """Linear warm-up over warmup_steps (0: none), then constant or (decay) linearly down to 0 at the last step."""
 
     def factor(s: int) -> float:
-        return min((s + 1) / warmup_steps, max(0.0, (steps - s) / max(1, steps - warmup_steps)) if decay else 1.0)
+        if s < warmup_steps:
+            return (s + 1) / warmup_steps
+        return max(0.0, (steps - s) / max(1, steps - warmup_steps)) if decay else 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -940,7 +957,6 @@ def check_args(args: Args):
             "batch_size",
             "grad_accum_steps",
             "lr",
-            "warmup_steps",
             "max_grad_norm",
             "sample_temperature",
             "sample_prompts",
@@ -950,11 +966,31 @@ def check_args(args: Args):
             "eval_size",
             "keep_checkpoints",
         ],
-        ["center_rewards_coef", "seed", "save_every"],
+        ["center_rewards_coef", "warmup_steps", "seed", "save_every"],
     )
     check_lora(args)
     if args.sample_pairs == 1 or args.sample_pairs < 0:
         fail(f"--sample-pairs must be 0 (the fixed pairs) or at least 2 samples per prompt (got {args.sample_pairs})")
+
+
+def resolve_defaults(args: Args):
+    """The flags left at None take their DEFAULTS value: the built-in task's when the run is the built-in task
+    (its dataset and tiny model), else the pretrained set's. Prints which set the run uses."""
+    builtin = args.dataset == "arithmetic" and common.is_builtin_model(args.model)
+    taken = []
+    for name, values in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values[0] if builtin else values[1])
+            taken.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+    which = "the built-in task's defaults" if builtin else "defaults for a pretrained model"
+    print(f"{which}: {', '.join(taken) or 'none (every such flag was given)'}")
+
+
+def defaults_help() -> str:
+    """The two sets of DEFAULTS as a table, for --help."""
+    lines = [f"  {'--' + name.replace('_', '-'):<22} {a!s:<14} {b}" for name, (a, b) in DEFAULTS.items()]
+    header = f"  {'flag':<22} {'built-in task':<14} pretrained model (any other dataset or model)"
+    return "\n\nDefaults that depend on the run (a flag given always wins):\n" + "\n".join([header, *lines])
 
 
 def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
@@ -1023,7 +1059,7 @@ def write_failed(path: str, e: Exception, output_dir: str):
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = tyro.cli(Args, description=__doc__ + defaults_help())
     try:
         main(args)
     except common.DataError as e:

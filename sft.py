@@ -11,7 +11,7 @@ model + tokenizer to `models/sft`. With `--model` and `--dataset` it fine-tunes 
 prompt/completion or messages dataset.
 
     python sft.py                                   # tiny model, built-in task, a few minutes on a CPU
-    python sft.py --model Qwen/Qwen2.5-0.5B --dataset trl-lib/Capybara --lr 2e-5 --batch-size 16
+    python sft.py --model Qwen/Qwen2.5-0.5B --dataset trl-lib/Capybara         # a hub model: pretrained defaults
 """
 
 from dataclasses import dataclass
@@ -46,14 +46,14 @@ class Args:
     # optimisation
     steps: int = 1500
     """optimiser steps (the default takes the tiny model to the teacher's level on the built-in task)"""
-    batch_size: int = 64
-    """sequences per micro-batch and process (one optimiser step: batch_size × grad_accum_steps × processes)"""
+    batch_size: int | None = None
+    """sequences per micro-batch and process (one optimiser step: batch_size × grad_accum_steps × processes) (default: by run, see the table above)"""
     grad_accum_steps: int = 1
     """micro-batches whose gradients are summed before each optimiser step"""
-    lr: float = 1e-3
-    """peak learning rate (AdamW); use ~1e-5 to 5e-5 for pretrained models"""
-    warmup_steps: int = 20
-    """linear warm-up steps"""
+    lr: float | None = None
+    """peak learning rate (AdamW) (default: by run, see the table above)"""
+    warmup_steps: int | None = None
+    """linear warm-up steps (default: by run, see the table above)"""
     lr_decay: bool = True
     """after the warm-up, decay the learning rate linearly to 0 at the last step (--no-lr-decay: constant)"""
     weight_decay: float = 0.0
@@ -65,8 +65,8 @@ class Args:
     """evaluate on the held-out split every this many steps (and at the end)"""
     eval_size: int = 500
     """held-out rows used for evaluation"""
-    max_new_tokens: int = 8
-    """generation length when measuring held-out accuracy"""
+    max_new_tokens: int | None = None
+    """generation length when measuring held-out accuracy (default: by run, see the table above)"""
     # LoRA: train low-rank adapters instead of every weight (peft)
     lora_r: int = 0
     """r: rank of the adapters on --lora-target-modules (0: full fine-tuning)"""
@@ -103,6 +103,17 @@ class Args:
     """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
     skip_nonfinite: bool = False
     """skip optimiser steps whose loss or gradient norm is NaN/inf (counted) instead of stopping"""
+
+
+# The flags left at None above take a default that depends on the run: the built-in task's tuned value, or, with
+# any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
+# given on the command line always wins; --help lists both sets; the run prints which it used.
+DEFAULTS = {  # flag: (built-in task, pretrained model)
+    "lr": (1e-3, 2e-5),
+    "warmup_steps": (20, 0),
+    "batch_size": (64, 8),
+    "max_new_tokens": (8, 256),
+}
 
 
 # ---------------------------------------------------------------- the math
@@ -447,17 +458,19 @@ def greedy_completions(model, prompt_ids, prompt_mask, tokenizer, eos_ids: list[
 
 
 def start_run(args: Args, script: str) -> SimpleNamespace:
-    """What every run does before the method: a signal now exits at once (nothing to save yet), bad flags
-    stop it with one line, --resume finds its checkpoint, the seeds are set and torchrun's processes join.
+    """What every run does before the method: a signal now exits at once (nothing to save yet), --resume finds
+    its checkpoint, the flags left at None take their DEFAULTS, bad flags stop the run with one line, the seeds
+    are set and torchrun's processes join.
     Returns `run`: rank, world, device, checkpoint and its state (None on a fresh run), the run's name, and
     what the loop keeps (skipped steps, the last checkpoint, stop signals, the metrics file and wandb)."""
     t_start = time.time()  # every metrics row carries the wall time since here
     on_stop_signal(None)
     # peft reads transformers' deprecated is_gradient_checkpointing at every LoRA model: peft's warning, not the user's
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+    checkpoint, state = load_checkpoint(args)  # on resume, the flags not given are the run's own
+    resolve_defaults(args)
     check_args(args)
     probe_writable(args.output_dir)
-    checkpoint, state = load_checkpoint(args)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -504,6 +517,8 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
         print(f"resuming from {run.checkpoint} (step {run.state['step']})")
     if run.rank == 0:
         run.metrics_file = open_metrics(run.name, run.state["step"] if run.state else None)
+        with open(f"runs/{run.name}/args.json", "w") as f:  # the flags as resolved: what this run really used
+            json.dump(asdict(args), f, indent=1)
     if args.track and run.rank == 0:
         import wandb
 
@@ -539,10 +554,12 @@ def gradient_sync(model, last: bool):
 
 
 def lr_schedule(optimizer, warmup_steps: int, steps: int, decay: bool):
-    """Linear warm-up over warmup_steps, then constant or (decay) linearly down to 0 at the last step."""
+    """Linear warm-up over warmup_steps (0: none), then constant or (decay) linearly down to 0 at the last step."""
 
     def factor(s: int) -> float:
-        return min((s + 1) / warmup_steps, max(0.0, (steps - s) / max(1, steps - warmup_steps)) if decay else 1.0)
+        if s < warmup_steps:
+            return (s + 1) / warmup_steps
+        return max(0.0, (steps - s) / max(1, steps - warmup_steps)) if decay else 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -909,7 +926,6 @@ def check_args(args: Args):
             "batch_size",
             "grad_accum_steps",
             "lr",
-            "warmup_steps",
             "max_grad_norm",
             "max_length",
             "eval_every",
@@ -920,11 +936,31 @@ def check_args(args: Args):
             "num_heads",
             "keep_checkpoints",
         ],
-        ["weight_decay", "seed", "save_every"],
+        ["weight_decay", "warmup_steps", "seed", "save_every"],
     )
     check_lora(args)
     if args.hidden_size % args.num_heads:
         fail(f"--hidden-size ({args.hidden_size}) must be divisible by --num-heads ({args.num_heads})")
+
+
+def resolve_defaults(args: Args):
+    """The flags left at None take their DEFAULTS value: the built-in task's when the run is the built-in task
+    (its dataset and tiny model), else the pretrained set's. Prints which set the run uses."""
+    builtin = args.dataset == "arithmetic" and common.is_builtin_model(args.model)
+    taken = []
+    for name, values in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values[0] if builtin else values[1])
+            taken.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+    which = "the built-in task's defaults" if builtin else "defaults for a pretrained model"
+    print(f"{which}: {', '.join(taken) or 'none (every such flag was given)'}")
+
+
+def defaults_help() -> str:
+    """The two sets of DEFAULTS as a table, for --help."""
+    lines = [f"  {'--' + name.replace('_', '-'):<22} {a!s:<14} {b}" for name, (a, b) in DEFAULTS.items()]
+    header = f"  {'flag':<22} {'built-in task':<14} pretrained model (any other dataset or model)"
+    return "\n\nDefaults that depend on the run (a flag given always wins):\n" + "\n".join([header, *lines])
 
 
 def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
@@ -993,7 +1029,7 @@ def write_failed(path: str, e: Exception, output_dir: str):
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = tyro.cli(Args, description=__doc__ + defaults_help())
     try:
         main(args)
     except common.DataError as e:

@@ -119,8 +119,10 @@ FLAG_CASES = [  # script, flags, what the one line says: checked before anything
 @pytest.mark.parametrize("script,flags,message", FLAG_CASES, ids=[f"{s}:{' '.join(f)}" for s, f, _ in FLAG_CASES])
 def test_bad_flag_values_stop_with_one_error_line(script, flags, message, capsys):
     module = importlib.import_module(script.removesuffix(".py"))
+    args = tyro.cli(module.Args, args=flags)
+    module.resolve_defaults(args)
     with pytest.raises(SystemExit) as stopped:
-        module.check_args(tyro.cli(module.Args, args=flags))
+        module.check_args(args)
     errors = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 2 and len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], (
         errors
