@@ -126,11 +126,11 @@ def is_builtin_model(path: str | None) -> bool:
     tuned defaults; any other model gets defaults fit for a pretrained one."""
     if path is None:
         return True
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(file):
+    try:
+        with open(os.path.join(path, "tokenizer.json")) as f:
+            vocab = json.load(f)["model"].get("vocab")
+    except (OSError, ValueError, KeyError, AttributeError):  # none, or unreadable: loading the model will say why
         return False
-    with open(file) as f:
-        vocab = json.load(f)["model"].get("vocab")
     return vocab == build_char_tokenizer().backend_tokenizer.get_vocab(with_added_tokens=False)
 
 

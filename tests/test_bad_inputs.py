@@ -286,7 +286,8 @@ def test_a_signal_during_set_up_exits_at_once_with_nothing_to_save(tmp_path):
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    assert proc.stdout.readline().startswith("model:")  # set-up is under way (the held-out evaluation comes next)
+    assert proc.stdout.readline().startswith("the built-in task's defaults:")  # set-up is under way
+    assert proc.stdout.readline().startswith("model:")  # the model is built; the held-out evaluation comes next
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "stopped by SIGTERM during set-up; nothing to save" in out, err[-2000:]

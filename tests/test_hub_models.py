@@ -139,7 +139,12 @@ def test_completions_end_at_any_eos_id(chat_model, script):
     model = ScriptedModel(completions)
     eos = torch.tensor([im_end, endoftext])
     ids, mask, ended = script.generate(
-        model, torch.tensor([[x]] * 3), torch.ones(3, 1, dtype=torch.long), tok, eos, script.Args(max_new_tokens=8, temperature=0.7)
+        model,
+        torch.tensor([[x]] * 3),
+        torch.ones(3, 1, dtype=torch.long),
+        tok,
+        eos,
+        script.Args(max_new_tokens=8, temperature=0.7),
     )
     assert model.eos_seen == [im_end, endoftext]  # generation stops at either
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]  # the EOS itself is a completion token
