@@ -510,23 +510,32 @@ def enable_checkpointing(model):
 LOGITS_CHUNK = 2**25  # logits (positions × vocabulary) that lm_head_logprobs holds at once: 128 MiB in fp32
 
 
-def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, entropy=False):
     """log softmax(W·h_t / T)[y_t]: hidden states h [B,T,H] through the LM head W, tokens y [B,T] → [B,T].
 
     The same numbers as token_logprobs(model's logits, y, T), but a few positions at a time (LOGITS_CHUNK
     logits), each chunk recomputed in backward (checkpoint): the [B,T,V] logits are never all in memory, nor
-    kept for backward (with a 150k vocabulary they dwarf the model's own activations)."""
+    kept for backward (with a 150k vocabulary they dwarf the model's own activations). entropy=True: also the
+    entropy H_t = −Σ_v π(v) log π(v) of each position's distribution at T, a metric (no gradient): (logps, H)."""
     head = (model.module if isinstance(model, DDP) else model).get_output_embeddings()
     positions = max(1, LOGITS_CHUNK // head.weight.shape[0])
 
     def chunk(h, y):
-        return token_logprobs(head(h)[None], y[None], temperature)[0]
+        logits = head(h)[None]
+        if not entropy:
+            return token_logprobs(logits, y[None], temperature)[0]
+        with torch.no_grad():
+            logp = (logits.float() / temperature).log_softmax(-1)  # one chunk of positions at a time
+            H = -(logp.exp() * logp).sum(-1)[0]
+        return token_logprobs(logits, y[None], temperature)[0], H
 
     out = [
         checkpoint(chunk, h, y, use_reentrant=False)
         for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))
     ]
-    return torch.cat(out).view_as(tokens)
+    if not entropy:
+        return torch.cat(out).view_as(tokens)
+    return tuple(torch.cat(part).view_as(tokens) for part in zip(*out))
 
 
 @torch.no_grad()

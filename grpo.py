@@ -54,13 +54,23 @@ class Args:
     """sample with a static (preallocated) KV cache; on CUDA transformers then compiles the decoding step: faster after a slow first call, the same distribution"""
     # the objective: clipped ratio ρ, KL to π_ref, advantages Â
     clip_eps: float = 0.2
-    """ε: the ratio ρ is clipped to [1−ε, 1+ε]"""
+    """ε: the ratio ρ is clipped to [1−ε, 1+ε_h]"""
+    clip_eps_high: float | None = None
+    """ε_h, DAPO's clip-higher (e.g. 0.28): a larger upper clip lets unlikely tokens gain probability (None: ε)"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: ρ per token (GRPO); sequence: GSPO's length-normalised sequence ratio for every token of a completion"""
     beta: float = 0.04
     """β: weight of the k3 KL penalty to the reference (0 skips the reference model)"""
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
     """grpo: mean of per-sequence token means; dapo: mean over all tokens; dr_grpo: sum / (B · max_new_tokens)"""
-    scale_rewards: bool = True
-    """divide advantages by the group's reward std (off: Dr. GRPO)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide advantages by the reward std of each group (DeepSeekMath), of the whole batch, or not at all (Dr. GRPO)"""
+    mask_truncated_completions: bool = False
+    """completions cut at --max-new-tokens without an EOS contribute no loss (DAPO's overlong filtering)"""
+    dynamic_sampling: bool = False
+    """drop groups whose rewards are all equal and sample more prompts until the step has --prompts-per-step groups (DAPO)"""
+    max_sampling_rounds: int = 4
+    """with --dynamic-sampling: rounds of sampling at most per step; short of groups then, the step trains on those it has"""
     format_reward: float = 0.0
     """bonus for a completion that ends with EOS and contains a number (rule-based rewards only)"""
     # optimisation
@@ -147,15 +157,32 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.cat(out)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
-    """Â_i = (r_i − mean({r})) / (std({r}) + eps) within each group of G = group_size consecutive rows.
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
+    """Â_i = (r_i − mean({r})) / (std + eps) within each group of G = group_size consecutive rows.
 
-    rewards [N·G] → [N·G]; std is Bessel-corrected; a group with equal rewards gets Â = 0."""
+    rewards [N·G] → [N·G]. std: the group's (scale="group", DeepSeekMath), the whole batch's ("batch": one scale
+    for every prompt, so easy and hard prompts weigh alike; Hu 2025, REINFORCE++), or none ("none": Â = r − mean,
+    Dr. GRPO, Liu et al. 2025); Bessel-corrected. A group with equal rewards gets Â = 0."""
     r = rewards.view(-1, group_size)
     advantages = r - r.mean(dim=1, keepdim=True)
-    if scale:
+    if scale == "group":
         advantages = advantages / (r.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        advantages = advantages / (rewards.std() + eps)
     return advantages.flatten()
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N] True for the groups whose rewards are not all equal: the others have Â = 0 and teach nothing (DAPO's
+    dynamic sampling drops them and samples more prompts; Yu et al. 2025, arXiv:2503.14476)."""
+    r = rewards.view(-1, group_size)
+    return r.max(1).values != r.min(1).values
+
+
+def overlong_filter(mask: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
+    """DAPO's overlong filtering: a completion cut at the length limit without an EOS (`ended` False) gets no loss
+    tokens, so a truncated but maybe sound answer is not punished; its reward still counts in its group's Â."""
+    return mask * ended.unsqueeze(1).to(mask.dtype)
 
 
 def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -164,39 +191,68 @@ def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def grpo_loss(
-    logps, old_logps, ref_logps, advantages, mask, clip_eps=0.2, beta=0.04, loss_type="grpo", max_completion_length=None
-):
-    """ℒ = −J: per token ℓ_t = −min(ρ_t·Â, clip(ρ_t, 1−ε, 1+ε)·Â) + β·D_KL,  ρ_t = exp(logp_t − old_logp_t).
+def sequence_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's ratio at every token of y_i (Zheng et al. 2025, arXiv:2507.18071), in its stop-gradient form:
 
-    logps, old_logps, ref_logps, mask [B,T]; advantages [B]. Reduction by `loss_type`:
-    grpo: mean over sequences of each sequence's token mean (DeepSeekMath); dapo: mean over all tokens;
-    dr_grpo: Σ ℓ·mask / (B · max_completion_length). Returns (loss, stats)."""
+    log s_i,t = sg[log s_i] + log π_θ(y_t) − sg[log π_θ(y_t)],   log s_i = (1/|y_i|) Σ_t (log π_θ(y_t) − log π_θold(y_t))
+
+    Its value is the length-normalised sequence ratio s_i; its gradient is s_i·∇log π_θ(y_t) at each token (with
+    Â_i the same for every token, GSPO-token is GSPO). [B,T] → [B,T]."""
     mask = mask.float()
-    ratio = torch.exp(logps - old_logps)
+    log_s = ((logps - old_logps) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    return log_s.detach() + logps - logps.detach()
+
+
+def grpo_loss(
+    logps,
+    old_logps,
+    ref_logps,
+    advantages,
+    mask,
+    clip_eps=0.2,
+    beta=0.04,
+    loss_type="grpo",
+    max_completion_length=None,
+    clip_eps_high=None,
+    importance_sampling_level="token",
+):
+    """ℒ = −J: per token ℓ_t = −min(ρ_t·Â, clip(ρ_t, 1−ε, 1+ε_h)·Â) + β·D_KL,  ρ_t = exp(logp_t − old_logp_t).
+
+    logps, old_logps, ref_logps, mask [B,T]; advantages [B]. ε_h = clip_eps_high: DAPO's clip-higher (None: ε_h = ε,
+    the lecture's symmetric clip). importance_sampling_level "sequence": ρ_t is GSPO's sequence ratio s_i at every
+    token of y_i (sequence_log_ratio). Reduction by `loss_type`: grpo: mean over sequences of each sequence's token
+    mean (DeepSeekMath); dapo: mean over all tokens; dr_grpo: Σ ℓ·mask / (B · max_completion_length). Returns (loss, stats)."""
+    mask = mask.float()
+    log_ratio = (
+        sequence_log_ratio(logps, old_logps, mask) if importance_sampling_level == "sequence" else logps - old_logps
+    )
+    ratio = torch.exp(log_ratio)
+    low, high = 1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high)
     A = advantages.unsqueeze(1)
-    per_token = -torch.min(ratio * A, ratio.clamp(1 - clip_eps, 1 + clip_eps) * A)
+    per_token = -torch.min(ratio * A, ratio.clamp(low, high) * A)
     stats = {}
+    tokens = mask.sum().clamp(min=1)  # every row may be masked out (overlong filtering)
     if beta != 0:
         kl = kl_k3(logps, ref_logps)
         per_token = per_token + beta * kl
-        stats["kl"] = ((kl * mask).sum() / mask.sum()).detach()
+        stats["kl"] = ((kl * mask).sum() / tokens).detach()
     if loss_type == "grpo":
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
     elif loss_type == "dapo":
-        loss = (per_token * mask).sum() / mask.sum()
+        loss = (per_token * mask).sum() / tokens
     elif loss_type == "dr_grpo":
         loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
-    clipped = ((ratio < 1 - clip_eps) & (A < 0)) | ((ratio > 1 + clip_eps) & (A > 0))
-    stats["clip_fraction"] = ((clipped.float() * mask).sum() / mask.sum()).detach()
+    clipped = ((ratio < low) & (A < 0)) | ((ratio > high) & (A > 0))
+    stats["clip_fraction"] = ((clipped.float() * mask).sum() / tokens).detach()
     return loss, stats
 
 
 # ---------------------------------------------------------------- the method's helpers
-def forward_logps(model, input_ids, attention_mask, completion_ids, temperature: float) -> torch.Tensor:
-    """log π(y_t) of each completion token [B,T] at the sampling temperature; the hidden state at t predicts t+1."""
+def forward_logps(model, input_ids, attention_mask, completion_ids, temperature: float, entropy: bool = False):
+    """log π(y_t) of each completion token [B,T] at the sampling temperature; the hidden state at t predicts t+1.
+    entropy=True: (log π(y_t), the entropy of π(·|x, y_<t)), the latter a metric without gradient."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
     T = completion_ids.shape[1]
     # the body's last hidden states (logits for one position only), then the LM head a chunk at a time
@@ -207,7 +263,7 @@ def forward_logps(model, input_ids, attention_mask, completion_ids, temperature:
         logits_to_keep=1,
         output_hidden_states=True,
     )
-    return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], completion_ids, temperature)
+    return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], completion_ids, temperature, entropy)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
@@ -243,6 +299,29 @@ def score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokeni
         except Exception as e:
             fail(f"the reward function failed on completion {text!r} (prompt {row['prompt']!r}): {e!r}")
     return torch.tensor(rewards, device=input_ids.device)
+
+
+@torch.no_grad()
+def sample_groups(policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args: Args, device, autocast) -> dict:
+    """One round of steps 1–2: a completion of each row from π_θold (rows i*G … i*G+G-1: one prompt's group) and
+    its reward r_i, as per-sequence lists: prompt ids, completion ids (to the first EOS), ended (with an
+    EOS, not cut by the length limit), rewards."""
+    prompts = common.tokenize_prompts(tokenizer, rows, args.max_prompt_length)
+    prompt_ids, prompt_mask = (t.to(device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
+    policy.eval()
+    with autocast:
+        completion_ids, mask, ended = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
+        rewards = score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokenizer, args)
+    policy.train()
+    completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
+    return {
+        "prompts": prompts,
+        "completions": completions,
+        "ended": ended.tolist(),
+        "rewards": rewards.tolist(),
+    }
 
 
 @torch.no_grad()
@@ -293,6 +372,9 @@ def main(args: Args):
     schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
     step_rows = args.prompts_per_step * run.world
     batches, progress = begin_training(args, run, policy, optimizer, schedule, len(train_rows), step_rows)
+    run.extra_batches = run.state["extra_batches"] if run.state else 0  # drawn by --dynamic-sampling's extra rounds
+    for _ in range(run.extra_batches):  # on resume: the data position is one batch a step plus these
+        next(batches)
 
     def run_eval(step: int) -> dict:
         metrics, samples = evaluate(
@@ -303,71 +385,105 @@ def main(args: Args):
     start = end = run.state["start"] if run.state else run_eval(0)
     G = args.group_size
     objective = dict(
-        clip_eps=args.clip_eps, beta=args.beta, loss_type=args.loss_type, max_completion_length=args.max_new_tokens
+        clip_eps=args.clip_eps,
+        clip_eps_high=args.clip_eps_high,
+        importance_sampling_level=args.importance_sampling_level,
+        beta=args.beta,
+        loss_type=args.loss_type,
+        max_completion_length=args.max_new_tokens,
     )
     for step in progress:
-        # 1. sample G completions for each of this process's N prompts from π_θold (the current policy)
-        rows = [train_rows[i] for i in process_share(next(batches), run, args.prompts_per_step) for _ in range(G)]
-        group_prompts = common.tokenize_prompts(tokenizer, rows, args.max_prompt_length)  # rows i*G … i*G+G-1: a group
-        prompt_ids, prompt_mask = (t.to(run.device) for t in common.pad(group_prompts, tokenizer.pad_token_id, "left"))
-        t0 = time.time()
-        policy.eval()
-        with autocast:
-            completion_ids, mask, ended = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
-        policy.train()
+        # 1. sample G completions for each of this process's N prompts from π_θold (the current policy), and
+        # 2. their rewards r_i. --dynamic-sampling: groups whose rewards all tie are dropped and more prompts sampled
+        N, rounds, t0 = args.prompts_per_step, 0, time.time()
+        sampled, kept = {}, {}  # per-sequence lists; rows i*G … i*G+G-1 are one prompt's group
+        while True:
+            rows = [train_rows[i] for i in process_share(next(batches), run, N) for _ in range(G)]
+            new = sample_groups(
+                policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args, run.device, autocast
+            )
+            rounds += 1
+            keep = informative_groups(torch.tensor(new["rewards"]), G).tolist() if args.dynamic_sampling else [True] * N
+            for key, values in new.items():
+                sampled[key] = sampled.get(key, []) + values
+                kept[key] = kept.get(key, []) + [v for i, v in enumerate(values) if keep[i // G]]
+            n_groups = min(N, min_over_processes(len(kept["rewards"]) // G, run.device))  # the same in every process
+            if not args.dynamic_sampling or n_groups == N or rounds == args.max_sampling_rounds:
+                break
+        run.extra_batches += rounds - 1
         gen_time = time.time() - t0
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
+        totals, grad_norm = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0}, 0.0
+        if n_groups == 0:
+            common.warn_once(
+                f"every group's rewards tied in {rounds} rounds of sampling: such a step trains on nothing"
+            )
+        else:
+            kept = {key: values[: n_groups * G] for key, values in kept.items()}
+            batch = {
+                k: v.to(run.device)
+                for k, v in common.collate(kept["prompts"], kept["completions"], tokenizer.pad_token_id).items()
+            }
+            input_ids, attention_mask, completion_ids = (
+                batch["input_ids"],
+                batch["attention_mask"],
+                batch["completion_ids"],
+            )
+            mask, ended = batch["completion_mask"], torch.tensor(kept["ended"], device=run.device)
+            # group-relative advantages Â_i (over every process's groups: --scale-rewards batch takes the whole batch's std)
+            rewards = gather_over_processes(torch.tensor(kept["rewards"], device=run.device))
+            advantages = group_advantages(rewards, G, scale=args.scale_rewards).view(run.world, -1)[run.rank]
+            loss_mask = overlong_filter(mask, ended) if args.mask_truncated_completions else mask
 
-        # 2. rewards r_i and group-relative advantages Â_i
-        with autocast:
-            rewards = score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokenizer, args)
-        advantages = group_advantages(rewards, G, scale=args.scale_rewards)
+            # 3. reference (and, for μ > 1, old) log-probs: once per batch, without gradients
+            size = math.ceil(len(input_ids) / args.grad_accum_steps)  # sequences per forward/backward pass
+            micro = [slice(i, i + size) for i in range(0, len(input_ids), size)]
+            rollout = [(input_ids[s], attention_mask[s], completion_ids[s]) for s in micro]
+            ref_logps = old_logps = None
+            with torch.no_grad(), autocast:
+                if args.beta != 0:
+                    with reference_policy(policy, ref) as pi_ref:
+                        ref_logps = [forward_logps(pi_ref, *r, args.temperature) for r in rollout]
+                if args.num_iterations > 1:
+                    old_logps = [forward_logps(policy, *r, args.temperature) for r in rollout]
 
-        # 3. reference (and, for μ > 1, old) log-probs: once per batch, without gradients
-        size = math.ceil(len(input_ids) / args.grad_accum_steps)  # sequences per forward/backward pass
-        micro = [slice(i, i + size) for i in range(0, len(input_ids), size)]
-        rollout = [(input_ids[s], attention_mask[s], completion_ids[s]) for s in micro]
-        ref_logps = old_logps = None
-        with torch.no_grad(), autocast:
-            if args.beta != 0:
-                with reference_policy(policy, ref) as pi_ref:
-                    ref_logps = [forward_logps(pi_ref, *r, args.temperature) for r in rollout]
-            if args.num_iterations > 1:
-                old_logps = [forward_logps(policy, *r, args.temperature) for r in rollout]
-
-        # 4. μ optimiser steps on the clipped objective, gradients accumulated over micro-batches
-        # dapo averages over every token of the step, in all processes (DDP averages the processes' gradients)
-        batch_tokens = mean_over_processes({"tokens": mask.sum().item()}, run.device)["tokens"]
-        for _ in range(args.num_iterations):
-            totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
-            for k, s in enumerate(micro):
-                with gradient_sync(trained, last=k == len(micro) - 1):
-                    with autocast:
-                        logps = forward_logps(trained, *rollout[k], args.temperature)
-                    old = old_logps[k] if old_logps else logps.detach()  # μ = 1: ρ = 1, no extra forward pass
-                    ref_k = ref_logps[k] if ref_logps else None
-                    loss, stats = grpo_loss(logps, old, ref_k, advantages[s], mask[s], **objective)
-                    # each micro-batch's share of the batch loss: its tokens (dapo) or its sequences (grpo, dr_grpo)
-                    weight = mask[s].sum() / batch_tokens if args.loss_type == "dapo" else len(logps) / len(input_ids)
-                    (loss * weight).backward()
-                totals["loss"] += loss.item() * float(weight)
-                for key in stats:
-                    totals[key] += stats[key].item() * len(logps) / len(input_ids)
-            totals = mean_over_processes(totals, run.device)
-            grad_norm = optimizer_step(args, run, step, [policy], optimizer, totals["loss"])
+            # 4. μ optimiser steps on the clipped objective, gradients accumulated over micro-batches
+            # dapo averages over every token of the step, in all processes (DDP averages the processes' gradients)
+            batch_tokens = mean_over_processes({"tokens": loss_mask.sum().item()}, run.device)["tokens"]
+            for _ in range(args.num_iterations):
+                totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0}
+                for k, s in enumerate(micro):
+                    with gradient_sync(trained, last=k == len(micro) - 1):
+                        with autocast:
+                            logps, entropy = forward_logps(trained, *rollout[k], args.temperature, entropy=True)
+                        old = old_logps[k] if old_logps else logps.detach()  # μ = 1: ρ = 1, no extra forward pass
+                        ref_k = ref_logps[k] if ref_logps else None
+                        loss, stats = grpo_loss(logps, old, ref_k, advantages[s], loss_mask[s], **objective)
+                        # each micro-batch's share of the batch loss: its tokens (dapo) or its sequences (grpo, dr_grpo)
+                        if args.loss_type == "dapo":
+                            weight = loss_mask[s].sum() / max(batch_tokens, 1)
+                        else:
+                            weight = len(logps) / len(input_ids)
+                        (loss * weight).backward()
+                    totals["loss"] += loss.item() * float(weight)
+                    stats["entropy"] = (entropy * mask[s]).sum() / mask[s].sum()
+                    for key in stats:
+                        totals[key] += stats[key].item() * len(logps) / len(input_ids)
+                totals = mean_over_processes(totals, run.device)
+                grad_norm = optimizer_step(args, run, step, [policy], optimizer, totals["loss"])
         schedule.step()
 
-        # 5. log, evaluate, checkpoint
-        groups = rewards.view(-1, G)
+        # 5. log, evaluate, checkpoint (the sampling metrics count every group sampled, kept or not)
+        rewards, groups = torch.tensor(sampled["rewards"]), torch.tensor(sampled["rewards"]).view(-1, G)
         totals |= {  # TRL's names
             "grad_norm": grad_norm,
             "lr": schedule.get_last_lr()[0],
             "reward": rewards.mean().item(),
             "reward_std": rewards.std().item(),
             "frac_reward_zero_std": (groups.max(1).values == groups.min(1).values).float().mean().item(),
-            "completions/mean_length": mask.sum(1).float().mean().item(),
-            "completions/clipped_ratio": 1 - ended.float().mean().item(),  # cut by the length limit, no EOS
+            "completions/mean_length": sum(map(len, sampled["completions"])) / len(rewards),
+            "completions/clipped_ratio": 1 - sum(sampled["ended"]) / len(rewards),  # cut by the length limit, no EOS
+            "sampling_rounds": rounds,
+            "groups_trained": n_groups,
             "skipped_steps": run.skipped,
             "generation_s": gen_time,
         }
@@ -380,7 +496,9 @@ def main(args: Args):
         progress.set_postfix(reward=f"{metrics['train/reward']:.3f}", kl=f"{metrics['train/kl']:.4f}")
         if step % args.eval_every == 0 or step == args.steps:
             end = run_eval(step)
-        maybe_checkpoint(args, run, step, policy, tokenizer, optimizer, schedule, start)
+        maybe_checkpoint(
+            args, run, step, policy, tokenizer, optimizer, schedule, start, lambda: {"extra_batches": run.extra_batches}
+        )
 
     finish_run(args, run, policy, tokenizer, start, end)
 
@@ -589,23 +707,32 @@ def enable_checkpointing(model):
 LOGITS_CHUNK = 2**25  # logits (positions × vocabulary) that lm_head_logprobs holds at once: 128 MiB in fp32
 
 
-def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, entropy=False):
     """log softmax(W·h_t / T)[y_t]: hidden states h [B,T,H] through the LM head W, tokens y [B,T] → [B,T].
 
     The same numbers as token_logprobs(model's logits, y, T), but a few positions at a time (LOGITS_CHUNK
     logits), each chunk recomputed in backward (checkpoint): the [B,T,V] logits are never all in memory, nor
-    kept for backward (with a 150k vocabulary they dwarf the model's own activations)."""
+    kept for backward (with a 150k vocabulary they dwarf the model's own activations). entropy=True: also the
+    entropy H_t = −Σ_v π(v) log π(v) of each position's distribution at T, a metric (no gradient): (logps, H)."""
     head = (model.module if isinstance(model, DDP) else model).get_output_embeddings()
     positions = max(1, LOGITS_CHUNK // head.weight.shape[0])
 
     def chunk(h, y):
-        return token_logprobs(head(h)[None], y[None], temperature)[0]
+        logits = head(h)[None]
+        if not entropy:
+            return token_logprobs(logits, y[None], temperature)[0]
+        with torch.no_grad():
+            logp = (logits.float() / temperature).log_softmax(-1)  # one chunk of positions at a time
+            H = -(logp.exp() * logp).sum(-1)[0]
+        return token_logprobs(logits, y[None], temperature)[0], H
 
     out = [
         checkpoint(chunk, h, y, use_reentrant=False)
         for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))
     ]
-    return torch.cat(out).view_as(tokens)
+    if not entropy:
+        return torch.cat(out).view_as(tokens)
+    return tuple(torch.cat(part).view_as(tokens) for part in zip(*out))
 
 
 @torch.no_grad()
@@ -864,6 +991,24 @@ def mean_over_processes(values: dict, device) -> dict:
     return dict(zip(values, (t / dist.get_world_size()).tolist()))
 
 
+def min_over_processes(value: int, device) -> int:
+    """The smallest of the processes' values (the value itself for one process)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def gather_over_processes(x: torch.Tensor) -> torch.Tensor:
+    """Every process's x (the same shape in each), concatenated in rank order (x itself for one process)."""
+    if not dist.is_initialized():
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU, for rank 0 to write
 
 
@@ -1115,6 +1260,7 @@ def check_args(args: Args):
             "lr",
             "max_grad_norm",
             "clip_eps",
+            "max_sampling_rounds",
             "temperature",
             "max_new_tokens",
             "max_prompt_length",
@@ -1125,6 +1271,8 @@ def check_args(args: Args):
         ["beta", "format_reward", "warmup_steps", "seed", "save_every"],
     )
     check_lora(args)
+    if args.clip_eps_high is not None and not args.clip_eps_high >= 0:
+        fail(f"--clip-eps-high must be 0 or positive (got {args.clip_eps_high})")
     if args.group_size < 2:
         fail(f"--group-size must be at least 2: a group of one has no baseline (got {args.group_size})")
     if args.grad_accum_steps > args.prompts_per_step * args.group_size:

@@ -50,7 +50,9 @@ class Args:
     """sample with a static (preallocated) KV cache; on CUDA transformers then compiles the decoding step: faster after a slow first call, the same distribution"""
     # the objective: clipped ratio ρ, KL-penalised rewards, GAE advantages Â, value loss
     clip_eps: float = 0.2
-    """ε: the ratio ρ is clipped to [1−ε, 1+ε]"""
+    """ε: the ratio ρ is clipped to [1−ε, 1+ε_h]"""
+    clip_eps_high: float | None = None
+    """ε_h, DAPO's clip-higher (e.g. 0.28): a larger upper clip lets unlikely tokens gain probability (None: ε)"""
     clip_eps_value: float = 0.2
     """values move at most this far from V_old in the clipped value loss"""
     vf_coef: float = 0.1
@@ -186,12 +188,13 @@ def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (advantages - mean) / (std + 1e-8) * mask
 
 
-def ppo_policy_loss(logps, old_logps, advantages, mask, clip_eps=0.2):
-    """ℒ = masked mean of max(−Â·ρ, −Â·clip(ρ, 1−ε, 1+ε)), ρ = exp(logp − old_logp).
-    Returns (loss, stats: clip_fraction, approx_kl = ½·mean((logp − old_logp)²))."""
+def ppo_policy_loss(logps, old_logps, advantages, mask, clip_eps=0.2, clip_eps_high=None):
+    """ℒ = masked mean of max(−Â·ρ, −Â·clip(ρ, 1−ε, 1+ε_h)), ρ = exp(logp − old_logp); ε_h = clip_eps_high, DAPO's
+    clip-higher (None: ε). Returns (loss, stats: clip_fraction, approx_kl = ½·mean((logp − old_logp)²))."""
     mask = mask.float()
     ratio = torch.exp(logps - old_logps)
-    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    high = 1 + (clip_eps if clip_eps_high is None else clip_eps_high)
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_eps, high)
     loss = masked_mean(torch.max(unclipped, clipped), mask)
     stats = {
         "clip_fraction": masked_mean((clipped > unclipped).float(), mask).detach(),
@@ -218,8 +221,9 @@ def position_ids(attention_mask):
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
 
 
-def forward_logps(model, input_ids, attention_mask, T: int, temperature: float) -> torch.Tensor:
-    """log π(y_t) of the last T tokens [B,T] at the sampling temperature; the hidden state at t predicts t+1."""
+def forward_logps(model, input_ids, attention_mask, T: int, temperature: float, entropy: bool = False):
+    """log π(y_t) of the last T tokens [B,T] at the sampling temperature; the hidden state at t predicts t+1.
+    entropy=True: (log π(y_t), the entropy of π(·|x, y_<t)), the latter a metric without gradient."""
     # the body's last hidden states (logits for one position only), then the LM head a chunk at a time
     out = model(
         input_ids=input_ids,
@@ -228,7 +232,7 @@ def forward_logps(model, input_ids, attention_mask, T: int, temperature: float) 
         logits_to_keep=1,
         output_hidden_states=True,
     )
-    return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], input_ids[:, -T:], temperature)
+    return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], input_ids[:, -T:], temperature, entropy)
 
 
 def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
@@ -369,7 +373,8 @@ def main(args: Args):
 
         # 3. update: num_ppo_epochs passes over num_mini_batches minibatches, one optimiser step each
         stats = dict.fromkeys(
-            ["policy_loss", "value_loss", "clip_fraction", "approx_kl", "value_clip_fraction", "grad_norm"], 0.0
+            ["policy_loss", "value_loss", "clip_fraction", "approx_kl", "value_clip_fraction", "entropy", "grad_norm"],
+            0.0,
         )
         mb_size, n_updates = len(input_ids) // args.num_mini_batches, args.num_ppo_epochs * args.num_mini_batches
         for _ in range(args.num_ppo_epochs):
@@ -380,10 +385,12 @@ def main(args: Args):
                     share = mask[micro].sum() / mask[mb].sum()  # both losses are token means over the minibatch
                     with gradient_sync(trained, last=k == len(micros) - 1):
                         with autocast:
-                            logps = forward_logps(trained, input_ids[micro], attention_mask[micro], T, args.temperature)
+                            logps, entropy = forward_logps(
+                                trained, input_ids[micro], attention_mask[micro], T, args.temperature, entropy=True
+                            )
                             values = critic_values(critic, input_ids[micro], attention_mask[micro], T)
                         pg_loss, pg_stats = ppo_policy_loss(
-                            logps, old_logps[micro], advantages[micro], mask[micro], args.clip_eps
+                            logps, old_logps[micro], advantages[micro], mask[micro], args.clip_eps, args.clip_eps_high
                         )
                         vf_loss = ppo_value_loss(
                             values, old_values[micro], returns[micro], mask[micro], args.clip_eps_value
@@ -393,6 +400,7 @@ def main(args: Args):
                     vf_clipped = ((values - old_values[micro]).abs() > args.clip_eps_value).float()
                     micro_stats = dict(policy_loss=pg_loss, value_loss=vf_loss, **pg_stats)
                     micro_stats["value_clip_fraction"] = masked_mean(vf_clipped, mask[micro])
+                    micro_stats["entropy"] = masked_mean(entropy, mask[micro])
                     for key, value in micro_stats.items():  # means over the minibatches of the round
                         stats[key] += share.item() * value.item() / n_updates
                 average_gradients(critic, args)
@@ -626,23 +634,32 @@ def enable_checkpointing(model):
 LOGITS_CHUNK = 2**25  # logits (positions × vocabulary) that lm_head_logprobs holds at once: 128 MiB in fp32
 
 
-def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, entropy=False):
     """log softmax(W·h_t / T)[y_t]: hidden states h [B,T,H] through the LM head W, tokens y [B,T] → [B,T].
 
     The same numbers as token_logprobs(model's logits, y, T), but a few positions at a time (LOGITS_CHUNK
     logits), each chunk recomputed in backward (checkpoint): the [B,T,V] logits are never all in memory, nor
-    kept for backward (with a 150k vocabulary they dwarf the model's own activations)."""
+    kept for backward (with a 150k vocabulary they dwarf the model's own activations). entropy=True: also the
+    entropy H_t = −Σ_v π(v) log π(v) of each position's distribution at T, a metric (no gradient): (logps, H)."""
     head = (model.module if isinstance(model, DDP) else model).get_output_embeddings()
     positions = max(1, LOGITS_CHUNK // head.weight.shape[0])
 
     def chunk(h, y):
-        return token_logprobs(head(h)[None], y[None], temperature)[0]
+        logits = head(h)[None]
+        if not entropy:
+            return token_logprobs(logits, y[None], temperature)[0]
+        with torch.no_grad():
+            logp = (logits.float() / temperature).log_softmax(-1)  # one chunk of positions at a time
+            H = -(logp.exp() * logp).sum(-1)[0]
+        return token_logprobs(logits, y[None], temperature)[0], H
 
     out = [
         checkpoint(chunk, h, y, use_reentrant=False)
         for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))
     ]
-    return torch.cat(out).view_as(tokens)
+    if not entropy:
+        return torch.cat(out).view_as(tokens)
+    return tuple(torch.cat(part).view_as(tokens) for part in zip(*out))
 
 
 @torch.no_grad()
@@ -1194,6 +1211,8 @@ def check_args(args: Args):
             f"--prompts-per-step ({args.prompts_per_step}) must be divisible by --num-mini-batches ({args.num_mini_batches})"
         )
     check_lora(args)
+    if args.clip_eps_high is not None and not args.clip_eps_high >= 0:
+        fail(f"--clip-eps-high must be 0 or positive (got {args.clip_eps_high})")
     if not 0 <= args.lam <= 1 or not 0 <= args.gamma <= 1:
         fail(f"--gamma and --lam must be in [0, 1] (got {args.gamma}, {args.lam})")
 

@@ -44,7 +44,7 @@ class Args:
     """seeds: one run of ours and one of TRL each"""
     methods: list[str] = field(default_factory=lambda: ["grpo", "dpo"])
     """the methods to run"""
-    grpo_steps: int = 4
+    grpo_steps: int = 3
     """GRPO optimiser steps per run"""
     prompts_per_step: int = 4
     """GRPO prompts per step"""
@@ -56,7 +56,7 @@ class Args:
     """GRPO learning rate (TRL's default)"""
     grpo_beta: float = 0.04
     """GRPO β (DeepSeekMath's)"""
-    dpo_steps: int = 5
+    dpo_steps: int = 3
     """DPO optimiser steps per run"""
     pairs: int = 8
     """DPO pairs per step"""

@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import dpo  # noqa: E402
+import grpo  # noqa: E402
 import reward_model  # noqa: E402
 from benchmarks.compare import run  # noqa: E402
 from benchmarks.results import write_section  # noqa: E402
@@ -158,6 +159,77 @@ def trl_losses(policy, ref, rm, tokenizer, rows, beta) -> dict:
         batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
         out["reward"] = trainer.compute_loss(trainer.model, batch).item()
     return out
+
+
+# GRPO's loss variants on identical tensors: (name, grpo_loss keywords, TRL trainer attributes), β 0.04 unless set
+GRPO_VARIANTS = [
+    ("GRPO (the lecture's)", {}, {}),
+    ("clip-higher ε_h 0.28", {"clip_eps_high": 0.28}, {"epsilon_high": 0.28}),
+    (
+        "sequence-level ratio (GSPO)",
+        {"importance_sampling_level": "sequence"},
+        {"importance_sampling_level": "sequence"},
+    ),
+    ("truncated completions masked", {"truncated": True}, {"truncated": True}),
+    ("dapo, TRL's defaults (β 0, ε_h = ε)", {"loss_type": "dapo", "beta": 0.0}, {"loss_type": "dapo", "beta": 0.0}),
+    ("dr_grpo", {"loss_type": "dr_grpo"}, {"loss_type": "dr_grpo"}),
+]
+
+
+def grpo_agreement(policy, tokenizer) -> list[tuple[str, float, float, float]]:
+    """For each variant: (name, our loss, TRL's loss, max |our gradient − TRL's| w.r.t. the log-probs). The same
+    per-token log-probs (a random perturbation of the old ones, so that ratios leave the clip range), old and
+    reference log-probs, advantages and masks go through grpo.grpo_loss and through TRL's
+    GRPOTrainer._compute_loss, whose model forward is replaced by those log-probs."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    g = torch.Generator().manual_seed(0)
+    B, T, L = 8, 6, 8
+    mask = (torch.arange(T)[None] < torch.tensor([6, 3, 1, 5, 6, 2, 4, 6])[:, None]).long()
+    old = -torch.rand(B, T, generator=g) * 3
+    logps0, ref = old + torch.randn(B, T, generator=g) * 0.3, old + torch.randn(B, T, generator=g) * 0.3
+    advantages, ended = torch.randn(B, generator=g), torch.tensor([True, False, True, True, False, True, True, True])
+    with tempfile.TemporaryDirectory() as tmp:
+        config = GRPOConfig(
+            output_dir=tmp, use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=B, num_generations=2,
+            max_completion_length=L, gradient_checkpointing=False, beta=0.0, loss_type="grpo", use_bias_correction_kl=False,  # β set below: no ref model; KL as DeepSeekMath
+        )  # fmt: skip
+        trainer = GRPOTrainer(
+            model=policy,
+            reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+            args=config,
+            train_dataset=Dataset.from_list([{"prompt": "1+1="}] * B),
+            processing_class=tokenizer,
+        )
+        rows = []
+        for name, ours_kw, trl_kw in GRPO_VARIANTS:
+            ours_kw, trl_kw = dict(ours_kw), dict(trl_kw)
+            loss_mask = grpo.overlong_filter(mask, ended) if ours_kw.pop("truncated", False) else mask
+            trl_kw.pop("truncated", None)  # TRL masks them when it builds the batch (mask_truncated_completions)
+            kw = {"beta": 0.04, "loss_type": "grpo", **ours_kw}
+            logps = logps0.clone().requires_grad_(True)
+            ours_loss, _ = grpo.grpo_loss(logps, old, ref, advantages, loss_mask, 0.2, max_completion_length=L, **kw)
+            (ours_grad,) = torch.autograd.grad(ours_loss, logps)
+            settings = {"beta": 0.04, "loss_type": "grpo", "epsilon_high": 0.2, "importance_sampling_level": "token"}
+            for key, value in (settings | trl_kw).items():
+                setattr(trainer, key, value)
+            logps = logps0.clone().requires_grad_(True)
+            trainer._get_per_token_logps_and_entropies = lambda *_, **__: (logps, torch.zeros_like(logps), None)
+            inputs = {
+                "prompt_ids": torch.ones(B, 1, dtype=torch.long),
+                "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+                "completion_ids": torch.ones(B, T, dtype=torch.long),
+                "completion_mask": loss_mask,
+                "advantages": advantages,
+                "old_per_token_logps": old,
+                "ref_per_token_logps": ref,
+                "num_items_in_batch": loss_mask.sum(),
+            }
+            trl_loss = trainer._compute_loss(trainer.model, inputs)
+            (trl_grad,) = torch.autograd.grad(trl_loss, logps)
+            rows.append((name, ours_loss.item(), trl_loss.item(), (ours_grad - trl_grad).abs().max().item()))
+    return rows
 
 
 # ---------------------------------------------------------------- speed
@@ -435,15 +507,33 @@ def main(args: Args):
     for name, label in [("dpo", f"DPO (sigmoid, β = {args.beta})"), ("reward", "reward model (Bradley–Terry)")]:
         rel = abs(a[name] - b[name]) / abs(b[name])
         lines.append(f"| {label} | {a[name]:.8f} | {b[name]:.8f} | {rel:.1e} | {'yes' if rel <= 1e-4 else 'NO'} |")
+    variants = grpo_agreement(policy, tokenizer)
+    lines += [
+        "",
+        "| GRPO loss on identical tensors | ours | TRL "
+        + trl.__version__
+        + " | relative difference | max gradient difference | within 1e-4 |",
+    ]
+    lines += ["|---|---|---|---|---|---|"]
+    for name, x, y, grad in variants:
+        rel = abs(x - y) / abs(y)
+        lines.append(
+            f"| {name} | {x:.8f} | {y:.8f} | {rel:.1e} | {grad:.1e} | {'yes' if rel <= 1e-4 and grad <= 1e-6 else 'NO'} |"
+        )
     text = (
         f"### {args.size} model ({n_params / 1e6:.2f}M parameters), {args.pairs} pairs of the built-in task, CPU fp32\n\n"
         + "\n".join(lines)
-        + f"\n\nCommand: `python benchmarks/vs_trl.py --size {args.size}`."
+        + "\n\nGRPO: TRL's `_compute_loss` with its model forward replaced by the same log-probs; TRL 1.16 multiplies "
+        "the KL term by ρ by default (`use_bias_correction_kl`, DeepSeek-V3.2), turned off here: ours is DeepSeekMath's k3. "
+        "TRL masks truncated completions when it builds the batch, so that row gives both the masked batch. "
+        f"Command: `python benchmarks/vs_trl.py --size {args.size}`."
     )
     print(text)
     if args.write:
         write_section(f"vs_trl_agreement_{args.size}", text)
-    if any(abs(a[k] - b[k]) / abs(b[k]) > 1e-4 for k in a):
+    if any(abs(a[k] - b[k]) / abs(b[k]) > 1e-4 for k in a) or any(
+        abs(x - y) / abs(y) > 1e-4 or g > 1e-6 for _, x, y, g in variants
+    ):
         sys.exit("the losses disagree beyond 1e-4 relative")
 
 

@@ -163,6 +163,11 @@ RUNS = [  # script, flags: each completes under torchrun and saves what transfor
         ],
     ),
     (
+        "grpo.py",
+        "--model {sft} --steps 3 --prompts-per-step 4 --group-size 4 --eval-size 8 --dynamic-sampling --scale-rewards batch "
+        "--clip-eps-high 0.28 --mask-truncated-completions --save-every 3".split(),
+    ),
+    (
         "ppo.py",
         [
             "--model",
@@ -184,7 +189,11 @@ RUNS = [  # script, flags: each completes under torchrun and saves what transfor
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script,flags", RUNS, ids=[f"{s}{' fsdp' if '--fsdp' in f else ''}" for s, f in RUNS])
+@pytest.mark.parametrize(
+    "script,flags",
+    RUNS,
+    ids=[f"{s}{' fsdp' if '--fsdp' in f else ''}{' dynamic' if '--dynamic-sampling' in f else ''}" for s, f in RUNS],
+)
 def test_each_script_runs_under_torchrun(script, flags, sft_dir, tmp_path):
     rm = tmp_path / "rm"
     AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1).save_pretrained(rm)

@@ -15,16 +15,22 @@ import sft
 
 
 def naive_group_advantages(rewards, G, scale, eps):
+    values = [float(r) for r in rewards]
+    everyone = sum(values) / len(values)
+    batch_std = (sum((r - everyone) ** 2 for r in values) / (len(values) - 1)) ** 0.5
     out = []
-    for i in range(0, len(rewards), G):
-        group = [float(r) for r in rewards[i : i + G]]
+    for i in range(0, len(values), G):
+        group = values[i : i + G]
         mean = sum(group) / G
         std = (sum((r - mean) ** 2 for r in group) / (G - 1)) ** 0.5
-        out += [(r - mean) / (std + eps) if scale else r - mean for r in group]
+        out += [
+            (r - mean) / ({"group": std, "batch": batch_std}[scale] + eps) if scale != "none" else r - mean
+            for r in group
+        ]
     return torch.tensor(out)
 
 
-@pytest.mark.parametrize("scale", [True, False])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_group_advantages_matches_naive_loop(scale):
     torch.manual_seed(0)
     rewards = torch.randn(12)
@@ -74,6 +80,78 @@ def test_grpo_loss_matches_naive_loop(loss_type, beta):
     )
     assert torch.allclose(loss, naive_grpo_loss(logps, old, ref, adv, mask, 0.2, beta, loss_type, 8), atol=1e-5)
     assert 0 <= stats["clip_fraction"] <= 1 and ("kl" in stats) == (beta != 0)
+
+
+def naive_variant_loss(logps, old, adv, mask, eps, eps_high, level):
+    """grpo_loss (β = 0, grpo reduction) as a loop over sequences and tokens: clip-higher, and GSPO's sequence ratio
+    s_i = exp(mean_t(logp − old)) as a function of the whole sequence (no stop-gradient trick)."""
+    total = 0.0
+    for b in range(len(logps)):
+        n = int(mask[b].sum())
+        s = torch.exp(sum(logps[b, t] - old[b, t] for t in range(n)) / n)
+        seq = 0.0
+        for t in range(n):
+            rho = s if level == "sequence" else torch.exp(logps[b, t] - old[b, t])
+            seq = seq - torch.min(
+                rho * adv[b], rho.clamp(1 - eps, 1 + (eps if eps_high is None else eps_high)) * adv[b]
+            )
+        total = total + seq / n
+    return total / len(logps)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("eps_high", [None, 0.28])
+def test_clip_higher_and_sequence_ratios_match_naive_loop_values_and_gradients(eps_high, level):
+    logps, old, _, adv, mask = random_batch()
+    old = logps + (old - logps) * 0.6  # ratios on both sides of the clip range, and inside it
+    logps = logps.requires_grad_(True)
+    loss, _ = grpo.grpo_loss(
+        logps, old, None, adv, mask, 0.2, 0.0, clip_eps_high=eps_high, importance_sampling_level=level
+    )
+    naive = naive_variant_loss(logps, old, adv, mask, 0.2, eps_high, level)
+    (g,) = torch.autograd.grad(loss, logps)
+    (g_naive,) = torch.autograd.grad(naive, logps)
+    assert torch.allclose(loss, naive, atol=1e-6) and torch.allclose(g, g_naive, atol=1e-6)
+    assert g.abs().sum() > 0 and (g * (1 - mask)).abs().sum() == 0
+
+
+def test_variants_reduce_to_the_lecture_objective():
+    logps, old, ref, adv, mask = random_batch()
+    plain = grpo.grpo_loss(logps, old, ref, adv, mask, 0.2, 0.04)
+    same = grpo.grpo_loss(logps, old, ref, adv, mask, 0.2, 0.04, clip_eps_high=0.2)  # ε_h = ε
+    assert torch.equal(plain[0], same[0]) and plain[1]["clip_fraction"] == same[1]["clip_fraction"]
+    one = torch.ones(4, 1, dtype=torch.long)  # one-token completions: the sequence ratio is the token ratio
+    token = grpo.grpo_loss(logps[:, :1], old[:, :1], None, adv, one, 0.2, 0.0)[0]
+    sequence = grpo.grpo_loss(logps[:, :1], old[:, :1], None, adv, one, 0.2, 0.0, importance_sampling_level="sequence")
+    assert torch.allclose(token, sequence[0], atol=1e-7)
+
+
+def test_overlong_filter_gives_truncated_completions_no_gradient():
+    logps, old, _, adv, mask = random_batch()
+    logps.requires_grad_(True)
+    ended = torch.tensor([True, False, True, False])
+    loss, _ = grpo.grpo_loss(logps, old, None, adv, grpo.overlong_filter(mask, ended), 0.2, 0.0, "dapo")
+    loss.backward()
+    assert logps.grad[~ended].abs().sum() == 0 and logps.grad[ended].abs().sum() > 0
+    all_cut = grpo.overlong_filter(mask, torch.zeros(4, dtype=torch.bool))  # every row cut: a zero loss, not NaN
+    assert grpo.grpo_loss(logps, old, None, adv, all_cut, 0.2, 0.0, "dapo")[0].item() == 0
+
+
+def test_informative_groups_are_those_whose_rewards_differ():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    assert grpo.informative_groups(rewards, 3).tolist() == [False, True, False]
+
+
+def test_entropy_from_the_chunked_head_equals_the_full_softmax(monkeypatch):
+    torch.manual_seed(0)
+    model = sft.tiny_model(common.build_char_tokenizer(), sft.Args())
+    V = model.config.vocab_size
+    hidden, tokens = torch.randn(3, 5, model.config.hidden_size), torch.randint(0, V, (3, 5))
+    monkeypatch.setattr(grpo, "LOGITS_CHUNK", V * 4)  # 4 positions a chunk: several chunks
+    logps, entropy = grpo.lm_head_logprobs(model, hidden, tokens, 0.7, entropy=True)
+    full = (model.lm_head(hidden) / 0.7).log_softmax(-1)
+    assert torch.allclose(logps, full.gather(-1, tokens[..., None])[..., 0], atol=1e-5)
+    assert torch.allclose(entropy, -(full.exp() * full).sum(-1), atol=1e-5) and not entropy.requires_grad
 
 
 def test_no_gradient_once_clipped():
@@ -166,6 +244,45 @@ def test_grpo_end_to_end_improves_accuracy(sft_run, tmp_path):
     train = [m for m in read_metrics(tmp_path, "g") if "train/kl" in m]
     assert 0 < train[-1]["train/kl"] < 1  # the KL to the reference is measured and stays bounded
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "grpo") is not None
+
+
+DAPO_STYLE = "--dynamic-sampling --clip-eps-high 0.28 --mask-truncated-completions --loss-type dapo".split()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", ["1", "2"])
+def test_dapo_style_grpo_improves_accuracy_and_trains_only_informative_groups(sft_run, tmp_path, seed):
+    _, model_dir, _ = sft_run
+    flags = ["--model", str(model_dir), "--steps", "10", "--eval-every", "10", "--seed", seed, *DAPO_STYLE]
+    run_script("grpo.py", *flags, "--run-name", "d", cwd=tmp_path)
+    metrics = read_metrics(tmp_path, "d")
+    evals = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+    assert evals[-1] >= evals[0] + 0.2, evals  # as the default GRPO over its first 10 steps
+    train = [m for m in metrics if "train/loss" in m]
+    assert any(m["train/sampling_rounds"] > 1 for m in train)  # the SFT model ties on many groups: more were sampled
+    assert all(m["train/groups_trained"] == 64 or m["train/sampling_rounds"] == 4 for m in train)
+    assert all(m["train/entropy"] > 0 for m in train)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_stops_at_its_cap_when_every_group_ties(sft_run, tmp_path):
+    """No completion can be right (the answers are not numbers): every group ties, every round. Each step samples
+    --max-sampling-rounds times, says so once, and trains on nothing: the saved model is the one it started from."""
+    from safetensors.torch import load_file
+
+    _, model_dir, _ = sft_run
+    (tmp_path / "tie.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": "x"}) + "\n" for i in range(40))
+    )
+    flags = ["--model", str(model_dir), "--dataset", str(tmp_path / "tie.jsonl"), "--dynamic-sampling"]
+    flags += ["--max-sampling-rounds", "3", "--steps", "2", "--prompts-per-step", "4", "--group-size", "2"]
+    flags += ["--max-new-tokens", "8", "--lr", "1e-3", "--eval-size", "4"]
+    proc = run_script("grpo.py", *flags, "--run-name", "t", "--output-dir", "out", cwd=tmp_path)
+    assert proc.stdout.count("every group's rewards tied in 3 rounds") == 1
+    train = [m for m in read_metrics(tmp_path, "t") if "train/loss" in m]
+    assert [(m["train/sampling_rounds"], m["train/groups_trained"]) for m in train] == [(3, 0), (3, 0)]
+    start, end = load_file(model_dir / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(start[k], end[k]) for k in start)
 
 
 @pytest.mark.slow
