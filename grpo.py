@@ -324,6 +324,26 @@ def sample_groups(policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, 
     }
 
 
+def sample_step(policy, tokenizer, eos_ids, train_rows, batches, reward_model, rm_tokenizer, args: Args, run, autocast):
+    """Steps 1–2 of an optimiser step: sample_groups on this process's next N = --prompts-per-step prompts. With
+    --dynamic-sampling, groups whose rewards all tie (Â = 0) are dropped and another round sampled, until every
+    process has N groups or --max-sampling-rounds is reached; each process then keeps as many as the fewest found
+    (the same batch shape everywhere). Returns (every sequence sampled, the kept ones, the rounds sampled)."""
+    N, G = args.prompts_per_step, args.group_size
+    sampled, kept, rounds = {}, {}, 0
+    while True:
+        rows = [train_rows[i] for i in process_share(next(batches), run, N) for _ in range(G)]
+        new = sample_groups(policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args, run.device, autocast)
+        rounds += 1
+        keep = informative_groups(torch.tensor(new["rewards"]), G).tolist() if args.dynamic_sampling else [True] * N
+        for key, values in new.items():
+            sampled[key] = sampled.get(key, []) + values
+            kept[key] = kept.get(key, []) + [v for i, v in enumerate(values) if keep[i // G]]
+        n_groups = min(N, min_over_processes(len(kept["rewards"]) // G, run.device))
+        if not args.dynamic_sampling or n_groups == N or rounds == args.max_sampling_rounds:
+            return sampled, {key: values[: n_groups * G] for key, values in kept.items()}, rounds
+
+
 @torch.no_grad()
 def evaluate(
     policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args: Args, device, autocast
@@ -372,8 +392,9 @@ def main(args: Args):
     schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
     step_rows = args.prompts_per_step * run.world
     batches, progress = begin_training(args, run, policy, optimizer, schedule, len(train_rows), step_rows)
-    run.extra_batches = run.state["extra_batches"] if run.state else 0  # drawn by --dynamic-sampling's extra rounds
-    for _ in range(run.extra_batches):  # on resume: the data position is one batch a step plus these
+    # --dynamic-sampling's extra rounds draw more batches: on resume, the data position is one a step plus these
+    run.extra_batches = run.state.get("extra_batches", 0) if run.state else 0
+    for _ in range(run.extra_batches):
         next(batches)
 
     def run_eval(step: int) -> dict:
@@ -393,42 +414,24 @@ def main(args: Args):
         max_completion_length=args.max_new_tokens,
     )
     for step in progress:
-        # 1. sample G completions for each of this process's N prompts from π_θold (the current policy), and
-        # 2. their rewards r_i. --dynamic-sampling: groups whose rewards all tie are dropped and more prompts sampled
-        N, rounds, t0 = args.prompts_per_step, 0, time.time()
-        sampled, kept = {}, {}  # per-sequence lists; rows i*G … i*G+G-1 are one prompt's group
-        while True:
-            rows = [train_rows[i] for i in process_share(next(batches), run, N) for _ in range(G)]
-            new = sample_groups(
-                policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args, run.device, autocast
-            )
-            rounds += 1
-            keep = informative_groups(torch.tensor(new["rewards"]), G).tolist() if args.dynamic_sampling else [True] * N
-            for key, values in new.items():
-                sampled[key] = sampled.get(key, []) + values
-                kept[key] = kept.get(key, []) + [v for i, v in enumerate(values) if keep[i // G]]
-            n_groups = min(N, min_over_processes(len(kept["rewards"]) // G, run.device))  # the same in every process
-            if not args.dynamic_sampling or n_groups == N or rounds == args.max_sampling_rounds:
-                break
+        # 1. sample G completions for each of this process's N prompts from π_θold (the current policy) and
+        # 2. score them (r_i); --dynamic-sampling: groups whose rewards all tie are dropped and more prompts sampled
+        t0 = time.time()
+        sampled, kept, rounds = sample_step(
+            policy, tokenizer, eos_ids, train_rows, batches, reward_model, rm_tokenizer, args, run, autocast
+        )
+        gen_time, n_groups = time.time() - t0, len(kept["rewards"]) // G
         run.extra_batches += rounds - 1
-        gen_time = time.time() - t0
         totals, grad_norm = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0}, 0.0
         if n_groups == 0:
             common.warn_once(
                 f"every group's rewards tied in {rounds} rounds of sampling: such a step trains on nothing"
             )
         else:
-            kept = {key: values[: n_groups * G] for key, values in kept.items()}
-            batch = {
-                k: v.to(run.device)
-                for k, v in common.collate(kept["prompts"], kept["completions"], tokenizer.pad_token_id).items()
-            }
-            input_ids, attention_mask, completion_ids = (
-                batch["input_ids"],
-                batch["attention_mask"],
-                batch["completion_ids"],
-            )
-            mask, ended = batch["completion_mask"], torch.tensor(kept["ended"], device=run.device)
+            batch = common.collate(kept["prompts"], kept["completions"], tokenizer.pad_token_id)
+            names = ("input_ids", "attention_mask", "completion_ids", "completion_mask")
+            input_ids, attention_mask, completion_ids, mask = (batch[k].to(run.device) for k in names)
+            ended = torch.tensor(kept["ended"], device=run.device)
             # group-relative advantages Â_i (over every process's groups: --scale-rewards batch takes the whole batch's std)
             rewards = gather_over_processes(torch.tensor(kept["rewards"], device=run.device))
             advantages = group_advantages(rewards, G, scale=args.scale_rewards).view(run.world, -1)[run.rank]
