@@ -240,3 +240,14 @@ def test_ppo_trains_smollm2_against_its_reward_model(smollm2, smollm2_reward, da
     run_script("ppo.py", *flags, "--run-name", "r", "--output-dir", "out", cwd=tmp_path)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.model_type == "llama"
     assert read_metrics(tmp_path, "r")[-1]["step"] == 1
+
+
+def test_a_reward_model_tokenizer_without_a_chat_template_is_named(chat_model, tmp_path):
+    """grpo.py --reward-model <one whose tokenizer has no chat template> with a chat policy on GSM8K rows."""
+    policy_tok = common.load_tokenizer(chat_model)
+    rows = common.load_rows(write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_rows()), "train", "prompt", policy_tok)
+    plain = common.build_char_tokenizer()  # no chat_template
+    with pytest.raises(
+        common.DataError, match=r"the reward model's tokenizer .* has no chat template.*reward_model.py"
+    ):
+        common.retokenize(plain, rows[:2], ["8", "9"], [True, True], 64)
