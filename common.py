@@ -70,13 +70,21 @@ def teacher_sum(a: int, b: int, rng: random.Random) -> int:
 
 
 def wrong_sum(a: int, b: int, rng: random.Random) -> int:
-    """A plausible wrong answer to a+b: a dropped carry if the sum has one, else one digit off by ±1."""
+    """A plausible wrong answer to a+b, one of three kinds at random: a carry dropped in any column that has one,
+    any digit of the 4-digit sum ±1, or two different digits of it swapped (a reward model trained on one kind
+    only, e.g. the SFT model's own slips, ranks the others near chance)."""
     correct = a + b
     # column i carries when the lower i+1 digits of a and b add up to 10^(i+1) or more
     carries = [i for i in range(3) if a % 10 ** (i + 1) + b % 10 ** (i + 1) >= 10 ** (i + 1)]
-    if carries and rng.random() < 0.5:
-        return correct - 10 ** (rng.choice(carries) + 1)  # forgot to carry one column into the next
     digits = list(f"{correct:04d}")
+    kind = rng.choice(["carry", "digit", "digit", "swap"])
+    if kind == "carry" and carries:
+        return correct - 10 ** (rng.choice(carries) + 1)  # forgot to carry one column into the next
+    pairs = [(i, j) for i in range(4) for j in range(i + 1, 4) if digits[i] != digits[j]]
+    if kind == "swap" and pairs:
+        i, j = rng.choice(pairs)
+        digits[i], digits[j] = digits[j], digits[i]
+        return int("".join(digits))
     i = rng.randrange(4)
     d = int(digits[i]) + rng.choice([-1, 1])
     if not 0 <= d <= 9:
@@ -103,6 +111,31 @@ def arithmetic_rows(split: str, kind: str) -> list[dict]:
             rejected = little_endian(wrong_sum(a, b, rng), 4)
             rows.append({"prompt": prompt, "chosen": answer, "rejected": rejected, "answer": answer})
     return rows
+
+
+def shown_samples(samples: list[dict], wrong: int = 3, right: int = 1) -> list[int]:
+    """Which held-out samples every evaluation prints: the first `wrong` the model gets wrong now and the first
+    `right` it gets right (called at the first evaluation, so the printout shows what training changes), or the
+    first wrong + right ones when the rows have no answers."""
+    if any(s.get("answer") is None for s in samples):
+        return list(range(min(len(samples), wrong + right)))
+    ok = [is_correct(s["completion"], s["answer"]) for s in samples]
+    return [i for i, c in enumerate(ok) if not c][:wrong] + [i for i, c in enumerate(ok) if c][:right]
+
+
+def describe(sample: dict) -> str:
+    """A sample's verdict for the printout; the built-in task's in ordinary notation, e.g. for the prompt
+    '100+035=' and completion '1350': '1 + 530 = 531 ✓' ('… = 431 ✗, not 531' when wrong)."""
+    prompt, completion, answer = sample["prompt"], sample["completion"], sample.get("answer")
+    extra = "".join(f", {k} {v:.3g}" for k, v in sample.items() if isinstance(v, float))
+    if answer is None:
+        return extra[2:]
+    ok = is_correct(completion, answer)
+    if re.fullmatch(r"\d{3}\+\d{3}=", prompt) and re.fullmatch(r"\d{4}", answer):
+        a, b = (from_little_endian(x) for x in prompt[:-1].split("+"))
+        given = from_little_endian(completion) if re.fullmatch(r"\d{1,5}", completion) else repr(completion)
+        return f"{a} + {b} = {given} " + ("✓" if ok else f"✗, not {a + b}") + extra
+    return f"answer {answer} " + ("✓" if ok else "✗") + extra
 
 
 def build_char_tokenizer():

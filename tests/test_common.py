@@ -1,6 +1,7 @@
 """common.py: the built-in task, the character tokenizer, every dataset format, padding and collation."""
 
 import json
+import random
 
 import pandas as pd
 import pytest
@@ -81,17 +82,40 @@ def test_the_teacher_forgets_the_carry_into_the_hundreds_and_nothing_else():
     assert 0.4 < len(slips[True]) / len(rows) < 0.6  # so about half the prompts get a slip more often than not
 
 
-def test_rejected_answers_are_plausible_slips():
-    rows = common.arithmetic_rows("train", "preference")[:3000]
-    kinds = set()
-    for r in rows:
+def test_preference_rows_pair_the_right_sum_with_a_wrong_one():
+    for r in common.arithmetic_rows("train", "preference")[:3000]:
         chosen, rejected = common.from_little_endian(r["chosen"]), common.from_little_endian(r["rejected"])
         assert rejected != chosen and rejected >= 0 and r["chosen"] == r["answer"] and len(r["rejected"]) == 4
-        diff = abs(chosen - rejected)
-        # a dropped carry or one digit ±1: the answers differ by a single power of ten
-        assert diff in (1, 10, 100, 1000), (r, diff)
-        kinds.add(diff)
-    assert kinds == {1, 10, 100, 1000}
+
+
+def test_wrong_sums_are_of_every_kind_and_never_right():
+    rng, kinds = random.Random(0), set()
+    for a, b in common.arithmetic_pairs("train")[:3000]:
+        wrong, right = common.wrong_sum(a, b, rng), a + b
+        assert wrong != right and 0 <= wrong <= 9999
+        w, r = f"{wrong:04d}", f"{right:04d}"
+        changed = [i for i in range(4) if w[i] != r[i]]
+        if sorted(w) == sorted(r) and len(changed) == 2:
+            kinds.add("swap")
+        elif right - wrong in (10, 100, 1000) and (a % (right - wrong) + b % (right - wrong) >= right - wrong):
+            kinds.add("carry")  # the carry out of the column below that power of ten was dropped
+        else:
+            assert len(changed) == 1 and abs(int(w[changed[0]]) - int(r[changed[0]])) == 1, (a, b, wrong)
+            kinds.add("digit")
+    assert kinds == {"swap", "carry", "digit"}
+
+
+def test_the_printed_samples_are_the_first_wrong_ones_then_a_right_one_in_ordinary_notation():
+    rows = common.arithmetic_rows("test", "prompt")[:6]
+    samples = [{"prompt": r["prompt"], "completion": r["answer"], "answer": r["answer"]} for r in rows]
+    samples[2]["completion"] = samples[4]["completion"] = "0000"
+    assert common.shown_samples(samples) == [2, 4, 0]
+    assert common.shown_samples([{**s, "answer": None} for s in samples]) == [0, 1, 2, 3]
+    sample = {"prompt": "100+035=", "completion": "1350", "answer": "1350", "reward": 1.0}
+    assert common.describe(sample) == "1 + 530 = 531 ✓, reward 1"
+    assert common.describe({**sample, "completion": "1340"}) == "1 + 530 = 431 ✗, not 531, reward 1"
+    assert common.describe({**sample, "completion": "oops"}) == "1 + 530 = 'oops' ✗, not 531, reward 1"
+    assert common.describe({"prompt": "Q?", "completion": "42", "answer": "41"}) == "answer 41 ✗"
 
 
 def test_is_correct_compares_digits_when_zeros_lead():
