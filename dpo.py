@@ -59,8 +59,8 @@ class Args:
     sample_temperature: float = 0.7
     """temperature of those samples"""
     # optimisation
-    steps: int = 300
-    """optimiser steps"""
+    steps: int | None = None
+    """optimiser steps (default: by run, see the table above)"""
     batch_size: int | None = None
     """preference pairs per micro-batch and process (one optimiser step: batch_size × grad_accum_steps × processes) (default: by run, see the table above)"""
     grad_accum_steps: int = 1
@@ -120,6 +120,7 @@ class Args:
 # any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
 # given on the command line always wins; --help lists both sets; the run prints which it used.
 DEFAULTS = {  # flag: (built-in task, pretrained model)
+    "steps": (150, 300),
     "beta": (3.0, 0.1),
     "lr": (3e-5, 5e-7),
     "warmup_steps": (20, 0),
@@ -233,7 +234,7 @@ def reference_logps(policy, ref, batch: dict, autocast) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(policy, tokenizer, eos_ids, rows, ref_logps, args: Args, device, autocast) -> tuple[dict, list]:
-    """Held-out preference accuracy of the implicit reward, greedy accuracy when answers exist; a few samples."""
+    """Held-out preference accuracy of the implicit reward, greedy accuracy when answers exist; every sample."""
     policy.eval()
     has_answers = all(r.get("answer") is not None for r in rows)
     wins, texts, n = [], [], args.batch_size  # never more memory than a training batch
@@ -249,7 +250,7 @@ def evaluate(policy, tokenizer, eos_ids, rows, ref_logps, args: Args, device, au
     metrics = {"eval/rewards/accuracies": sum(wins) / len(wins)}
     if has_answers:
         metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
-    return metrics, [{"prompt": r["prompt"], "completion": t, "answer": r["answer"]} for r, t in zip(rows, texts[:5])]
+    return metrics, [{"prompt": r["prompt"], "completion": t, "answer": r["answer"]} for r, t in zip(rows, texts)]
 
 
 def main(args: Args):
@@ -602,6 +603,7 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
         name=name,
         t_start=t_start,
         skipped=state["skipped"] if state else 0,
+        shown=state.get("shown") if state else None,  # the held-out samples printed at each evaluation
         last_checkpoint=checkpoint,
         stop=[],
         metrics_file=None,
@@ -698,11 +700,14 @@ def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | No
 
 
 def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]) -> dict:
-    """Held-out metrics and a few sample completions: logged, and printed above the progress bar."""
+    """Held-out metrics and a few of the held-out samples, the same prompts at every evaluation (picked at the
+    first: see common.shown_samples): logged, and printed above the progress bar."""
+    if run.shown is None:
+        run.shown = common.shown_samples(samples)
+    samples = [{**samples[i], "verdict": common.describe(samples[i])} for i in run.shown]
     log(run, metrics, step, samples)
-    for sample in samples[:3]:
-        rest = "".join(f" ({k} {v})" for k, v in sample.items() if k not in ("prompt", "completion"))
-        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r}{rest}")
+    for sample in samples:
+        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r} ({sample['verdict']})")
     tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
 
@@ -744,6 +749,7 @@ def maybe_checkpoint(
                 "run_name": run.name,
                 "start": start,
                 "skipped": run.skipped,
+                "shown": run.shown,
                 "wandb_id": run.wandb.id if run.wandb else None,
                 **extra_state(),
             },

@@ -74,8 +74,8 @@ class Args:
     format_reward: float = 0.0
     """bonus for a completion that ends with EOS and contains a number (rule-based rewards only)"""
     # optimisation
-    steps: int = 300
-    """optimisation rounds; each samples prompts_per_step × group_size completions"""
+    steps: int | None = None
+    """optimisation rounds; each samples prompts_per_step × group_size completions (default: by run, see the table above)"""
     num_iterations: int = 1
     """μ: optimiser steps on each generated batch (1: old log-probs are the current ones, detached)"""
     grad_accum_steps: int | None = None
@@ -133,6 +133,7 @@ class Args:
 # any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
 # given on the command line always wins; --help lists both sets; the run prints which it used.
 DEFAULTS = {  # flag: (built-in task, pretrained model)
+    "steps": (60, 300),
     "prompts_per_step": (64, 8),
     "temperature": (0.7, 1.0),
     "max_new_tokens": (8, 256),
@@ -348,7 +349,7 @@ def sample_step(policy, tokenizer, eos_ids, train_rows, batches, reward_model, r
 def evaluate(
     policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args: Args, device, autocast
 ) -> tuple[dict, list]:
-    """Greedy completions on held-out prompts: accuracy when answers exist, and the mean reward; a few samples."""
+    """Greedy completions on held-out prompts: accuracy when answers exist, and the mean reward; every sample."""
     policy.eval()
     rewards, texts = [], []
     for i in range(0, len(rows), 128):
@@ -365,8 +366,10 @@ def evaluate(
     metrics = {"eval/reward": sum(rewards) / len(rewards)}
     if all(x["answer"] is not None for x in rows):
         metrics["eval/accuracy"] = sum(common.is_correct(t, x["answer"]) for t, x in zip(texts, rows)) / len(rows)
-    samples = [{"prompt": x["prompt"], "completion": t, "reward": v} for x, t, v in zip(rows, texts, rewards[:5])]
-    return metrics, samples
+    return metrics, [
+        {"prompt": x["prompt"], "completion": t, "answer": x["answer"], "reward": v}
+        for x, t, v in zip(rows, texts, rewards)
+    ]
 
 
 def main(args: Args):
@@ -795,6 +798,7 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
         name=name,
         t_start=t_start,
         skipped=state["skipped"] if state else 0,
+        shown=state.get("shown") if state else None,  # the held-out samples printed at each evaluation
         last_checkpoint=checkpoint,
         stop=[],
         metrics_file=None,
@@ -891,11 +895,14 @@ def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | No
 
 
 def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]) -> dict:
-    """Held-out metrics and a few sample completions: logged, and printed above the progress bar."""
+    """Held-out metrics and a few of the held-out samples, the same prompts at every evaluation (picked at the
+    first: see common.shown_samples): logged, and printed above the progress bar."""
+    if run.shown is None:
+        run.shown = common.shown_samples(samples)
+    samples = [{**samples[i], "verdict": common.describe(samples[i])} for i in run.shown]
     log(run, metrics, step, samples)
-    for sample in samples[:3]:
-        rest = "".join(f" ({k} {v})" for k, v in sample.items() if k not in ("prompt", "completion"))
-        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r}{rest}")
+    for sample in samples:
+        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r} ({sample['verdict']})")
     tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
 
@@ -937,6 +944,7 @@ def maybe_checkpoint(
                 "run_name": run.name,
                 "start": start,
                 "skipped": run.skipped,
+                "shown": run.shown,
                 "wandb_id": run.wandb.id if run.wandb else None,
                 **extra_state(),
             },

@@ -66,8 +66,8 @@ class Args:
     missing_eos_penalty: float = 1.0
     """subtracted from the score of completions that never emit EOS (0: off)"""
     # optimisation
-    steps: int = 200
-    """rollout/update rounds"""
+    steps: int | None = None
+    """rollout/update rounds (default: by run, see the table above)"""
     num_ppo_epochs: int | None = None
     """passes over each rollout (default: by run, see the table above)"""
     num_mini_batches: int = 2
@@ -127,9 +127,10 @@ class Args:
 # any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
 # given on the command line always wins; --help lists both sets; the run prints which it used.
 DEFAULTS = {  # flag: (built-in task, pretrained model)
+    "steps": (60, 200),
     "prompts_per_step": (128, 16),
     "max_new_tokens": (8, 256),
-    "kl_coef": (2.0, 0.05),
+    "kl_coef": (0.5, 0.05),
     "num_ppo_epochs": (2, 4),
     "lr": (2e-5, 3e-6),
     "warmup_steps": (10, 0),
@@ -290,7 +291,7 @@ def reward_scores(
 def evaluate(
     policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args: Args, device, autocast
 ) -> tuple[dict, list]:
-    """Greedy completions on held-out prompts: accuracy when answers exist, and the mean score; a few samples."""
+    """Greedy completions on held-out prompts: accuracy when answers exist, and the mean score; every sample."""
     policy.eval()
     scores, texts = [], []
     for i in range(0, len(rows), 128):
@@ -309,8 +310,10 @@ def evaluate(
     metrics = {"eval/score": sum(scores) / len(scores)}
     if all(r["answer"] is not None for r in rows):
         metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
-    samples = [{"prompt": r["prompt"], "completion": t, "score": v} for r, t, v in zip(rows, texts, scores[:5])]
-    return metrics, samples
+    return metrics, [
+        {"prompt": r["prompt"], "completion": t, "answer": r["answer"], "score": v}
+        for r, t, v in zip(rows, texts, scores)
+    ]
 
 
 def main(args: Args):
@@ -719,6 +722,7 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
         name=name,
         t_start=t_start,
         skipped=state["skipped"] if state else 0,
+        shown=state.get("shown") if state else None,  # the held-out samples printed at each evaluation
         last_checkpoint=checkpoint,
         stop=[],
         metrics_file=None,
@@ -815,11 +819,14 @@ def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | No
 
 
 def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]) -> dict:
-    """Held-out metrics and a few sample completions: logged, and printed above the progress bar."""
+    """Held-out metrics and a few of the held-out samples, the same prompts at every evaluation (picked at the
+    first: see common.shown_samples): logged, and printed above the progress bar."""
+    if run.shown is None:
+        run.shown = common.shown_samples(samples)
+    samples = [{**samples[i], "verdict": common.describe(samples[i])} for i in run.shown]
     log(run, metrics, step, samples)
-    for sample in samples[:3]:
-        rest = "".join(f" ({k} {v})" for k, v in sample.items() if k not in ("prompt", "completion"))
-        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r}{rest}")
+    for sample in samples:
+        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r} ({sample['verdict']})")
     tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
 
@@ -861,6 +868,7 @@ def maybe_checkpoint(
                 "run_name": run.name,
                 "start": start,
                 "skipped": run.skipped,
+                "shown": run.shown,
                 "wandb_id": run.wandb.id if run.wandb else None,
                 **extra_state(),
             },

@@ -8,7 +8,9 @@ p(y_w ≻ y_l | x) = σ(r_ϕ(x, y_w) − r_ϕ(x, y_l)); maximum likelihood gives
 r_ϕ is the SFT model with a scalar head, read at the last real token of prompt + completion. PPO then
 maximises r_ϕ (Ouyang et al. 2022, InstructGPT; Bradley & Terry 1952). On the built-in task the pairs are,
 by default, the SFT model's own samples, a right and a wrong answer to the same prompt (InstructGPT's
-labellers also ranked the policy's own samples): those are the answers PPO will have to tell apart.
+labellers also ranked the policy's own samples): those are the answers PPO will have to tell apart first;
+plus the task's fixed pairs of the same prompts, whose wrong sums are of every other kind, so that it learns
+to check the sum rather than to spot one kind of slip.
 
     python reward_model.py                           # after `python sft.py`: the built-in task, CPU
     python reward_model.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized
@@ -45,18 +47,19 @@ class Args:
     """weight of (r_w + r_l)² in the loss, which keeps rewards centred during training (0: off)"""
     # pairs sampled from the starting model (built-in task)
     sample_pairs: int = 4
-    """rows with answers (the built-in task): train and evaluate on pairs of the starting model's own
-    samples, this many per prompt, a correct one vs a wrong one: the mistakes PPO's policy will make (0: the
-    dataset's fixed pairs)"""
+    """rows with answers (the built-in task): add pairs of the starting model's own samples, this many per
+    prompt, a correct one vs a wrong one (the mistakes PPO's policy will make), to the dataset's fixed pairs of
+    the same prompts (every other kind of mistake); evaluate on each kind apart (0: the fixed pairs only)"""
     sample_temperature: float = 0.7
     """temperature of those samples (ppo.py samples at 0.7 too)"""
     max_new_tokens: int | None = None
     """length limit of those samples (the built-in task's answers have at most 4 digits) (default: by run, see the table above)"""
-    sample_prompts: int = 60000
-    """training prompts sampled for those pairs (only prompts with a right and a wrong sample give a pair)"""
+    sample_prompts: int = 8000
+    """training prompts: sampled for those pairs (only prompts with a right and a wrong sample give a pair), and
+    their fixed pairs"""
     # optimisation
-    steps: int = 4500
-    """optimiser steps"""
+    steps: int | None = None
+    """optimiser steps (default: by run, see the table above)"""
     batch_size: int | None = None
     """preference pairs per micro-batch and process (one optimiser step: batch_size × grad_accum_steps × processes) (default: by run, see the table above)"""
     grad_accum_steps: int = 1
@@ -116,6 +119,7 @@ class Args:
 # any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
 # given on the command line always wins; --help lists both sets; the run prints which it used.
 DEFAULTS = {  # flag: (built-in task, pretrained model)
+    "steps": (1200, 4500),
     "lr": (3e-4, 1e-5),
     "warmup_steps": (20, 0),
     "batch_size": (64, 8),
@@ -183,18 +187,22 @@ def sample_pairs(model, tokenizer, rows: list[dict], args: Args, run, autocast) 
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, eos_ids, rows, args: Args, device, autocast) -> dict:
-    """Held-out pairwise accuracy (the share of pairs with r_w > r_l) and mean margin r_w − r_l."""
+def evaluate(model, tokenizer, eos_ids, eval_sets: dict, args: Args, device, autocast) -> dict:
+    """Held-out pairwise accuracy (the share of pairs with r_w > r_l) and mean margin r_w − r_l of each set of
+    pairs: eval/accuracy{name}, eval/margin{name}."""
     model.eval()
-    wins, margins = [], []
-    for i in range(0, len(rows), args.batch_size):  # never more memory than a training batch
-        batch = pair_batch(tokenizer, rows[i : i + args.batch_size], args.max_length, device, eos_ids)
-        with autocast:
-            chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
-        wins += (chosen > rejected).tolist()
-        margins += (chosen - rejected).tolist()
+    metrics = {}
+    for name, rows in eval_sets.items():
+        wins, margins = [], []
+        for i in range(0, len(rows), args.batch_size):  # never more memory than a training batch
+            batch = pair_batch(tokenizer, rows[i : i + args.batch_size], args.max_length, device, eos_ids)
+            with autocast:
+                chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
+            wins += (chosen > rejected).tolist()
+            margins += (chosen - rejected).tolist()
+        metrics |= {f"eval/accuracy{name}": sum(wins) / len(wins), f"eval/margin{name}": sum(margins) / len(margins)}
     model.train()
-    return {"eval/accuracy": sum(wins) / len(wins), "eval/margin": sum(margins) / len(margins)}
+    return metrics
 
 
 @torch.no_grad()
@@ -230,23 +238,26 @@ def main(args: Args):
     train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
     common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
+    eval_sets = {"": eval_rows}  # name → held-out pairs
     sampled = bool(run.state and "pairs" in run.state)
     if sampled:  # resumed: the very pairs the run started with
-        train_rows, eval_rows = run.state["pairs"]
+        train_rows, eval_sets = run.state["pairs"]
     elif args.sample_pairs and all(r.get("answer") is not None for r in eval_rows):
-        # The fixed pairs' slips are not the mistakes the policy makes: a reward model trained on them picks
-        # wrong answers among the policy's own samples, and PPO learns to give them.
+        # The policy's own mistakes are the ones PPO will meet first; the fixed pairs hold every other kind, so
+        # that the reward model checks the sum instead of spotting one kind of slip (which PPO would learn to
+        # trade for another).
         sampled, lm = True, load_model(args.model, args.trust_remote_code).to(run.device).eval()
         # held-out first, so that its pairs do not depend on --sample-prompts
-        eval_rows = sample_pairs(lm, tokenizer, eval_rows, args, run, autocast)
-        train_rows = sample_pairs(lm, tokenizer, train_rows[: args.sample_prompts], args, run, autocast)
+        eval_sets = {"": sample_pairs(lm, tokenizer, eval_rows, args, run, autocast), "_fixed": eval_rows}
+        train_rows = train_rows[: args.sample_prompts]
+        train_rows = sample_pairs(lm, tokenizer, train_rows, args, run, autocast) + train_rows
         del lm
-        if not eval_rows:
+        if not eval_sets[""]:
             fail(
                 "none of the held-out prompts had both a right and a wrong sample: raise --eval-size or "
                 "--sample-pairs, or pass --sample-pairs 0 for the fixed pairs"
             )
-    print(f"{len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}")
+    print(f"{len(train_rows)} train / {len(eval_sets[''])} held-out pairs from {args.dataset}")
 
     # 3. AdamW (fused: one kernel, no parameter-sized temporaries), linear warm-up then linear decay to 0
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters and the score head
@@ -256,10 +267,10 @@ def main(args: Args):
     batches, progress = begin_training(args, run, model, optimizer, schedule, len(train_rows), step_rows)
 
     def run_eval(step: int) -> dict:
-        return log_eval(run, step, evaluate(model, tokenizer, eos_ids, eval_rows, args, run.device, autocast), [])
+        return log_eval(run, step, evaluate(model, tokenizer, eos_ids, eval_sets, args, run.device, autocast), [])
 
     def extra_state() -> dict:  # sampled pairs are saved with the checkpoint: a resumed run trains on the same
-        return {"pairs": [train_rows, eval_rows]} if sampled else {}
+        return {"pairs": [train_rows, eval_sets]} if sampled else {}
 
     start = end = run.state["start"] if run.state else run_eval(0)
     for step in progress:
@@ -496,6 +507,7 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
         name=name,
         t_start=t_start,
         skipped=state["skipped"] if state else 0,
+        shown=state.get("shown") if state else None,  # the held-out samples printed at each evaluation
         last_checkpoint=checkpoint,
         stop=[],
         metrics_file=None,
@@ -587,11 +599,14 @@ def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | No
 
 
 def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]) -> dict:
-    """Held-out metrics and a few sample completions: logged, and printed above the progress bar."""
+    """Held-out metrics and a few of the held-out samples, the same prompts at every evaluation (picked at the
+    first: see common.shown_samples): logged, and printed above the progress bar."""
+    if run.shown is None:
+        run.shown = common.shown_samples(samples)
+    samples = [{**samples[i], "verdict": common.describe(samples[i])} for i in run.shown]
     log(run, metrics, step, samples)
-    for sample in samples[:3]:
-        rest = "".join(f" ({k} {v})" for k, v in sample.items() if k not in ("prompt", "completion"))
-        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r}{rest}")
+    for sample in samples:
+        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r} ({sample['verdict']})")
     tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
 
@@ -633,6 +648,7 @@ def maybe_checkpoint(
                 "run_name": run.name,
                 "start": start,
                 "skipped": run.skipped,
+                "shown": run.shown,
                 "wandb_id": run.wandb.id if run.wandb else None,
                 **extra_state(),
             },

@@ -163,7 +163,7 @@ def forward_logps(model, batch: dict) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model, tokenizer, eos_ids: list[int], rows, args: Args, device, autocast) -> tuple[dict, list]:
     """Held-out loss (ℒ_SFT of the reference completions), and greedy exact-match accuracy when the rows have
-    answers; plus a few samples."""
+    answers; plus every sample."""
     model.eval()
     has_answers = all(r.get("answer") is not None for r in rows)
     total_nll, total_tokens, texts = 0.0, 0, []
@@ -178,7 +178,7 @@ def evaluate(model, tokenizer, eos_ids: list[int], rows, args: Args, device, aut
     metrics = {"eval/loss": total_nll / max(total_tokens, 1)}
     if has_answers:
         metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
-    return metrics, [{"prompt": r["prompt"], "completion": t, "answer": r["answer"]} for r, t in zip(rows, texts[:5])]
+    return metrics, [{"prompt": r["prompt"], "completion": t, "answer": r["answer"]} for r, t in zip(rows, texts)]
 
 
 def main(args: Args):
@@ -497,6 +497,7 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
         name=name,
         t_start=t_start,
         skipped=state["skipped"] if state else 0,
+        shown=state.get("shown") if state else None,  # the held-out samples printed at each evaluation
         last_checkpoint=checkpoint,
         stop=[],
         metrics_file=None,
@@ -593,11 +594,14 @@ def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | No
 
 
 def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]) -> dict:
-    """Held-out metrics and a few sample completions: logged, and printed above the progress bar."""
+    """Held-out metrics and a few of the held-out samples, the same prompts at every evaluation (picked at the
+    first: see common.shown_samples): logged, and printed above the progress bar."""
+    if run.shown is None:
+        run.shown = common.shown_samples(samples)
+    samples = [{**samples[i], "verdict": common.describe(samples[i])} for i in run.shown]
     log(run, metrics, step, samples)
-    for sample in samples[:3]:
-        rest = "".join(f" ({k} {v})" for k, v in sample.items() if k not in ("prompt", "completion"))
-        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r}{rest}")
+    for sample in samples:
+        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r} ({sample['verdict']})")
     tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
 
@@ -639,6 +643,7 @@ def maybe_checkpoint(
                 "run_name": run.name,
                 "start": start,
                 "skipped": run.skipped,
+                "shown": run.shown,
                 "wandb_id": run.wandb.id if run.wandb else None,
                 **extra_state(),
             },

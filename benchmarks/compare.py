@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import dpo  # noqa: E402
 from benchmarks.results import RESULTS, write_section  # noqa: E402
 
 METHODS = {  # what each method holds in memory while it trains (from the scripts)
@@ -50,18 +51,9 @@ LORA = {  # with --lora-r: what each method holds as <method>_lora, and its lear
     "dpo": ("1: policy (π_ref: its adapter off; pairs sampled from it once; its log-probs cached)", "1e-4"),
     "grpo": ("1: policy (π_ref: its adapter off)", "1e-3"),
 }
-# the control: sft.py continued from models/sft with DPO's default steps, batch and learning rate
-CONTROL = [
-    "--model",
-    "models/sft",
-    "--steps",
-    "300",
-    "--batch-size",
-    "64",
-    "--lr",
-    "3e-5",
-    "--output-dir",
-    "models/more_sft",
+# the control: sft.py continued from models/sft with DPO's built-in-task steps, batch and learning rate
+CONTROL = ["--model", "models/sft", "--output-dir", "models/more_sft"] + [
+    x for flag in ("steps", "batch_size", "lr") for x in (f"--{flag.replace('_', '-')}", str(dpo.DEFAULTS[flag][0]))
 ]
 
 

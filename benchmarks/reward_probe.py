@@ -1,7 +1,9 @@
 """How well a reward model can serve as PPO's reward on the built-in task. Two measurements:
 
-1. held-out pairwise accuracy split by the highest digit the rejected answer's slip changes (thousands,
-   hundreds, tens, units): which mistakes the reward model can see at all;
+1. held-out pairwise accuracy by kind of wrong answer: the right sum against wrong sums made here, apart
+   from the project's own `common.wrong_sum` (off by ±1, ±10 or ±100, one digit replaced by any other, a
+   carry dropped in one column, two digits swapped), and against the starting policy's own wrong samples:
+   which mistakes the reward model can see at all;
 2. best-of-n among the policy's own samples (n per held-out prompt at the sampling temperature): how often
    the sample it scores highest is right, against a random sample and against "at least one is right".
    A reward model whose favourite is right less often than a random sample pulls PPO away from the answers.
@@ -10,6 +12,7 @@
 """
 
 import os
+import random
 import sys
 import time
 from collections import Counter
@@ -24,8 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 from benchmarks.results import write_section  # noqa: E402
 from reward_model import reward_scores  # noqa: E402
-
-KINDS = ["thousands", "hundreds", "tens", "units"]
 
 
 @dataclass
@@ -46,11 +47,39 @@ class Args:
     """write the table into benchmarks/RESULTS.md"""
 
 
-def slip_kind(chosen: str, rejected: str) -> str:
-    """The highest digit place the rejected answer changes: `thousands`, `hundreds`, `tens` or `units`.
-    The task writes its 4-digit answers least significant digit first, so index i is place 10^i."""
-    place = max(i for i, (c, r) in enumerate(zip(chosen, rejected)) if c != r)
-    return KINDS[::-1][place]
+def dropped_carry(a: int, b: int, column: int) -> int | None:
+    """a + b with the carry out of `column` (0: units) forgotten, or None when that column does not carry."""
+    low = 10 ** (column + 1)
+    return a + b - low if a % low + b % low >= low else None
+
+
+def swapped(total: int, rng: random.Random) -> int | None:
+    digits = list(f"{total:04d}")
+    pairs = [(i, j) for i in range(4) for j in range(i + 1, 4) if digits[i] != digits[j]]
+    if not pairs:
+        return None
+    i, j = rng.choice(pairs)
+    digits[i], digits[j] = digits[j], digits[i]
+    return int("".join(digits))
+
+
+def replaced_digit(total: int, rng: random.Random) -> int:
+    digits = list(f"{total:04d}")
+    i = rng.randrange(4)
+    digits[i] = rng.choice([d for d in "0123456789" if d != digits[i]])
+    return int("".join(digits))
+
+
+WRONG = {  # kind → (a, b, rng) → a wrong sum, or None where the kind does not apply
+    "off by ±1": lambda a, b, rng: a + b + rng.choice([-1, 1]) if a + b else 1,
+    "off by ±10": lambda a, b, rng: a + b + rng.choice([-10, 10]) if a + b >= 10 else a + b + 10,
+    "off by ±100": lambda a, b, rng: a + b + rng.choice([-100, 100]) if a + b >= 100 else a + b + 100,
+    "one digit replaced": lambda a, b, rng: replaced_digit(a + b, rng),
+    "carry dropped (units → tens)": lambda a, b, rng: dropped_carry(a, b, 0),
+    "carry dropped (tens → hundreds)": lambda a, b, rng: dropped_carry(a, b, 1),
+    "carry dropped (hundreds → thousands)": lambda a, b, rng: dropped_carry(a, b, 2),
+    "two digits swapped": lambda a, b, rng: swapped(a + b, rng),
+}
 
 
 def scores(reward, tokenizer, prompts: list[str], completions: list[str]) -> torch.Tensor:
@@ -66,26 +95,38 @@ def scores(reward, tokenizer, prompts: list[str], completions: list[str]) -> tor
     return torch.cat(out)
 
 
-@torch.no_grad()
-def pairwise_by_kind(reward, tokenizer, rows: list[dict]) -> dict[str, tuple[int, int]]:
-    """{kind: (pairs ranked right, pairs)} over preference rows."""
-    prompts = [r["prompt"] for r in rows]
-    right = scores(reward, tokenizer, prompts, [r["chosen"] for r in rows]) > scores(
-        reward, tokenizer, prompts, [r["rejected"] for r in rows]
-    )
-    correct, total = Counter(), Counter()
-    for row, ok in zip(rows, right.tolist()):
-        kind = slip_kind(row["chosen"], row["rejected"])
-        correct[kind] += ok
-        total[kind] += 1
-    return {k: (correct[k], total[k]) for k in KINDS if total[k]}
+def operands(prompt: str) -> tuple[int, int]:
+    return tuple(common.from_little_endian(x) for x in prompt.removesuffix("=").split("+"))
 
 
 @torch.no_grad()
-def best_of_n(policy, reward, tokenizer, rows: list[dict], n: int, temperature: float, seed: int) -> dict[str, float]:
-    """Shares of prompts where a random sample / the reward model's top sample / any sample is right."""
+def pairwise_by_kind(reward, tokenizer, rows: list[dict], own_wrong: dict, seed: int) -> dict[str, tuple[int, int]]:
+    """{kind: (pairs ranked right, pairs)}: each held-out prompt's right sum against one wrong sum of each kind
+    that applies to it, and against the policy's own wrong sample (`own_wrong`: prompt → a wrong completion)."""
+    rng = random.Random(seed)
+    pairs = {kind: [] for kind in [*WRONG, "the SFT model's own wrong samples"]}
+    for row in rows:
+        a, b = operands(row["prompt"])
+        for kind, make in WRONG.items():
+            wrong = make(a, b, rng)
+            if wrong is not None and wrong != a + b and 0 <= wrong <= 9999:
+                pairs[kind].append((row["prompt"], row["answer"], common.little_endian(wrong, 4)))
+        if row["prompt"] in own_wrong:
+            pairs["the SFT model's own wrong samples"].append((row["prompt"], row["answer"], own_wrong[row["prompt"]]))
+    out = {}
+    for kind, kind_pairs in pairs.items():
+        prompts, chosen, rejected = zip(*kind_pairs)
+        right = scores(reward, tokenizer, prompts, chosen) > scores(reward, tokenizer, prompts, rejected)
+        out[kind] = (int(right.sum()), len(kind_pairs))
+    return out
+
+
+@torch.no_grad()
+def best_of_n(policy, reward, tokenizer, rows: list[dict], n: int, temperature: float, seed: int):
+    """Shares of prompts where a random sample / the reward model's top sample / any sample is right; and, for
+    each prompt with a wrong sample, the first wrong one."""
     torch.manual_seed(seed)
-    hits = Counter()
+    hits, own_wrong = Counter(), {}
     for i in range(0, len(rows), 64):
         chunk = rows[i : i + 64]
         ids, mask = common.pad(common.tokenize(tokenizer, [r["prompt"] for r in chunk]), tokenizer.pad_token_id, "left")
@@ -105,37 +146,30 @@ def best_of_n(policy, reward, tokenizer, rows: list[dict], n: int, temperature: 
         r = scores(reward, tokenizer, [row["prompt"] for row in chunk for _ in range(n)], texts).view(len(chunk), n)
         for j, row in enumerate(chunk):
             right = [common.is_correct(t, row["answer"]) for t in texts[j * n : (j + 1) * n]]
+            if not all(right):
+                own_wrong[row["prompt"]] = texts[j * n + right.index(False)]
             hits["random sample"] += right[0]  # samples are i.i.d.: the first is a random one
             hits[f"reward model's best of {n}"] += right[int(r[j].argmax())]
             hits[f"any of {n} (oracle)"] += any(right)
-    return {k: v / len(rows) for k, v in hits.items()}
+    return {k: v / len(rows) for k, v in hits.items()}, own_wrong
 
 
 def main(args: Args):
     tokenizer = common.load_tokenizer(args.policy)
     policy = AutoModelForCausalLM.from_pretrained(args.policy).eval()
     reward = AutoModelForSequenceClassification.from_pretrained(args.reward_model).eval()
-    by_kind = pairwise_by_kind(reward, tokenizer, common.arithmetic_rows("test", "preference")[: args.eval_size])
-    picks = best_of_n(
-        policy,
-        reward,
-        tokenizer,
-        common.arithmetic_rows("test", "prompt")[: args.eval_size],
-        args.n,
-        args.temperature,
-        args.seed,
-    )
-    all_right = sum(c for c, _ in by_kind.values()) / sum(t for _, t in by_kind.values())
+    rows = common.arithmetic_rows("test", "prompt")[: args.eval_size]
+    picks, own_wrong = best_of_n(policy, reward, tokenizer, rows, args.n, args.temperature, args.seed)
+    by_kind = pairwise_by_kind(reward, tokenizer, rows, own_wrong, args.seed)
     lines = [
         f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores (torch {torch.__version__}): "
         f"`python benchmarks/reward_probe.py --reward-model {args.reward_model} --policy {args.policy}` "
         f"({args.eval_size} held-out prompts, sampling seed {args.seed}; the models as `python sft.py` and "
         "`python reward_model.py` make them with their defaults when these are the paths).",
         "",
-        "| held-out pairs, by the digit the slip changes | " + " | ".join(by_kind) + " | all |",
-        "|---" * (len(by_kind) + 2) + "|",
-        "| pairs | " + " | ".join(str(t) for _, t in by_kind.values()) + f" | {sum(t for _, t in by_kind.values())} |",
-        "| ranked right | " + " | ".join(f"{c / t:.1%}" for c, t in by_kind.values()) + f" | {all_right:.1%} |",
+        "| held-out pairs: the right sum vs ... | pairs | ranked right |",
+        "|---|---|---|",
+        *[f"| {kind} | {t} | {c / t:.1%} |" for kind, (c, t) in by_kind.items()],
         "",
         f"| the policy's samples (T = {args.temperature}), share of prompts where ... is right | share |",
         "|---|---|",

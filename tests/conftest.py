@@ -107,7 +107,7 @@ RM_TEST_ARGS = [
     "100",
     "--sample-prompts",
     "5000",
-]  # 1/12 of the defaults' prompts, 1/15 of their steps
+]  # a quarter of the defaults' steps
 
 
 @pytest.fixture(scope="session")

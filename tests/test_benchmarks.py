@@ -1,6 +1,8 @@
 """The benchmarks' own logic, fast: the KL estimate, the table, RESULTS.md sections, the plot, and the GPU
 profile's code path on a tiny CPU config. (The full runs are the benchmarks themselves.)"""
 
+import random
+
 import pytest
 from conftest import run_script
 
@@ -186,29 +188,31 @@ def test_vs_trl_speed_runs_both_implementations_of_each_method(tmp_path):
 
 
 @pytest.mark.slow
-def test_reward_probe_sorts_slips_by_digit_and_counts_best_of_n(sft_run):
+def test_reward_probe_makes_each_kind_of_wrong_sum_and_counts_best_of_n(sft_run):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     import common
     from benchmarks import reward_probe
 
-    # 581 is '1850': 1581 ('1851'), 481 ('1840'), 591 ('1950'), 582 ('2850')
-    assert [reward_probe.slip_kind("1850", r) for r in ["1851", "1840", "1950", "2850"]] == [
-        "thousands",
-        "hundreds",
-        "tens",
-        "units",
-    ]
-    assert reward_probe.slip_kind("1011", "1111") == "tens" and reward_probe.slip_kind("7", "8") == "units"
+    rng = random.Random(0)
+    # 58 + 27 = 85: only the units carry; 85 + 1 = 86 whichever way the ±1 goes is off by one
+    assert reward_probe.dropped_carry(58, 27, 0) == 75 and reward_probe.dropped_carry(58, 27, 1) is None
+    assert reward_probe.dropped_carry(958, 47, 2) == 5 and reward_probe.swapped(1111, rng) is None
+    assert sorted(f"{reward_probe.swapped(1230, rng):04d}") == sorted("1230")
+    assert abs(reward_probe.WRONG["off by ±1"](58, 27, rng) - 85) == 1
+    replaced = f"{reward_probe.replaced_digit(85, rng):04d}"
+    assert sum(x != y for x, y in zip(replaced, "0085")) == 1
     _, sft_dir, _ = sft_run
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
     policy = AutoModelForCausalLM.from_pretrained(sft_dir).eval()
     reward = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1).eval()  # an untrained head
-    rows = common.arithmetic_rows("test", "preference")[:40]
-    by_kind = reward_probe.pairwise_by_kind(reward, tokenizer, rows)
-    assert sum(t for _, t in by_kind.values()) == 40 and all(0 <= c <= t for c, t in by_kind.values())
-    picks = reward_probe.best_of_n(
-        policy, reward, tokenizer, common.arithmetic_rows("test", "prompt")[:16], 4, 0.7, seed=0
-    )
+    rows = common.arithmetic_rows("test", "prompt")[:40]
+    picks, own_wrong = reward_probe.best_of_n(policy, reward, tokenizer, rows[:16], 4, 0.7, seed=0)
     assert set(picks) == {"random sample", "reward model's best of 4", "any of 4 (oracle)"}
     assert picks["any of 4 (oracle)"] >= max(picks["random sample"], picks["reward model's best of 4"]) > 0
+    answers = {r["prompt"]: r["answer"] for r in rows}
+    assert own_wrong and not any(common.is_correct(t, answers[p]) for p, t in own_wrong.items())
+    by_kind = reward_probe.pairwise_by_kind(reward, tokenizer, rows, own_wrong, seed=0)
+    assert set(by_kind) == {*reward_probe.WRONG, "the SFT model's own wrong samples"}
+    assert by_kind["off by ±1"][1] == 40 and by_kind["the SFT model's own wrong samples"][1] == len(own_wrong)
+    assert all(0 <= c <= t for c, t in by_kind.values())

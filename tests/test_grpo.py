@@ -235,12 +235,16 @@ def test_token_logprobs_matches_log_softmax_gather():
 @pytest.mark.slow
 def test_grpo_end_to_end_improves_accuracy(sft_run, tmp_path):
     _, model_dir, _ = sft_run
-    run_script(
+    out = run_script(
         "grpo.py", "--model", str(model_dir), "--steps", "10", "--eval-every", "10", "--run-name", "g", cwd=tmp_path
-    )
+    ).stdout
     evals = [m for m in read_metrics(tmp_path, "g") if "eval/accuracy" in m]
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
-    assert after >= before + 0.2, (before, after)  # the first 10 of the default 300 steps
+    assert after >= before + 0.2, (before, after)  # the first 10 of the default 60 steps
+    # each evaluation prints the same held-out prompts: three the model got wrong at step 0, one it got right
+    shown = re.findall(r"^  '(\d{3}\+\d{3}=)' → '\d*' \(\d+ \+ \d+ = \d+ ([✓✗])", out, re.M)
+    assert len(shown) == 8 and [p for p, _ in shown[:4]] == [p for p, _ in shown[4:]], out
+    assert [v for _, v in shown[:4]] == ["✗", "✗", "✗", "✓"], shown
     train = [m for m in read_metrics(tmp_path, "g") if "train/kl" in m]
     assert 0 < train[-1]["train/kl"] < 1  # the KL to the reference is measured and stays bounded
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "grpo") is not None
