@@ -38,7 +38,7 @@ def full_logits_logps(model, batch, temperature):
 def chunked_logps(script, model, batch, temperature):
     ids, mask, completion_ids = batch["input_ids"], batch["attention_mask"], batch["completion_ids"]
     if script is sft:
-        return sft.forward_logps(model, batch)
+        return sft.completion_logps(model, batch)
     if script is grpo:
         return grpo.forward_logps(model, ids, mask, completion_ids, temperature)
     return ppo.forward_logps(model, ids, mask, completion_ids.shape[1], temperature)

@@ -212,28 +212,10 @@ def test_nonfinite_loss_stops_the_run_naming_the_step(nan_model, tmp_path):
     proc = run_script("sft.py", "--model", nan_model, "--steps", "3", "--eval-size", "8", cwd=tmp_path, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert (
-        "non-finite loss (nan)" in proc.stderr
+        "non-finite gradient norm (nan)" in proc.stderr
         and "at step 1" in proc.stderr
         and "last good checkpoint: none" in proc.stderr
     )
-
-
-@pytest.mark.slow
-def test_skip_nonfinite_counts_skipped_steps(nan_model, tmp_path):
-    run_script(
-        "sft.py",
-        "--model",
-        nan_model,
-        "--steps",
-        "10",
-        "--eval-size",
-        "8",
-        "--skip-nonfinite",
-        "--run-name",
-        "s",
-        cwd=tmp_path,
-    )
-    assert [r["train/skipped_steps"] for r in read_metrics(tmp_path, "s") if "train/skipped_steps" in r] == [10]
 
 
 def test_prompts_too_long_are_truncated_counted_at_start_and_reported_once(capsys):

@@ -39,8 +39,8 @@ def test_left_padding_does_not_change_logprobs():
     torch.manual_seed(0)
     model = sft.tiny_model(tok, sft.Args()).eval()
     prompts, completions = common.tokenize(tok, ["1+2=", "123+456="]), common.tokenize(tok, ["3", "579"], add_eos=True)
-    batched = sft.forward_logps(model, common.collate(prompts, completions, tok.pad_token_id))
-    alone = sft.forward_logps(model, common.collate(prompts[:1], completions[:1], tok.pad_token_id))
+    batched = sft.completion_logps(model, common.collate(prompts, completions, tok.pad_token_id))
+    alone = sft.completion_logps(model, common.collate(prompts[:1], completions[:1], tok.pad_token_id))
     assert torch.allclose(batched[0, :2], alone[0], atol=1e-5)
 
 
@@ -54,7 +54,7 @@ def test_gradient_checkpointing_is_switched_on_without_a_deprecation_warning():
         assert not any(getattr(layer, "gradient_checkpointing", False) for layer in m.modules())
         with warnings.catch_warnings():
             warnings.simplefilter("error", FutureWarning)
-            sft.enable_checkpointing(m)
+            sft.enable_gradient_checkpointing(m)
         layers = [layer for layer in m.modules() if type(layer).__name__ == "Qwen2DecoderLayer"]
         assert layers and all(layer.gradient_checkpointing for layer in layers)
 
@@ -63,7 +63,7 @@ def test_gradient_checkpointing_is_switched_on_without_a_deprecation_warning():
             self.kwargs = gradient_checkpointing_kwargs
 
     older = OlderTransformersModel()
-    sft.enable_checkpointing(older)
+    sft.enable_gradient_checkpointing(older)
     assert older.kwargs == {"use_reentrant": False}
 
 
