@@ -611,18 +611,10 @@ def load_models(args: Args, run: SimpleNamespace):
     except Exception as e:
         fail(load_failure(path, e))
     reward_model.to(run.device, frozen_dtype).requires_grad_(False).eval()
-    print_model(f"policy {args.model}", policy, args, run)
     if args.gradient_checkpointing:
         for model in (policy, critic):
             enable_checkpointing(model)
     return tokenizer, policy, critic.to(run.device), ref, reward_model, rm_tokenizer
-
-
-def print_model(name: str, model, args: Args, run: SimpleNamespace):
-    """One line: the model, its size, where it runs and in what precision."""
-    millions = sum(p.numel() for p in model.parameters()) / 1e6
-    precision = "bf16 autocast" if args.bf16 else "fp32"
-    print(f"model: {name} ({millions:.2f}M parameters) on {run.device} × {run.world}, {precision}")
 
 
 def enable_checkpointing(model):
@@ -768,7 +760,10 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     on_stop_signal(run.stop)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%)")
+    precision = "bf16 autocast" if args.bf16 else "fp32"
+    print(
+        f"model: {total / 1e6:.2f}M parameters ({100 * trainable / total:.2f}% trained) on {run.device} × {run.world}, {precision}"
+    )
     if not run.state:
         log(run, {"train/trainable_parameters": trainable, "train/parameters": total}, 0)
     first_step = run.state["step"] + 1 if run.state else 1

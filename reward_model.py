@@ -358,7 +358,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 
 # -------------------------------------------------- models: loading, LoRA, the LM head, sampling
-def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, loading_info=False, **kwargs):
+def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info=False, **kwargs):
     """A model in fp32 (master weights) with every dropout probability in its config at 0. A LoRA adapter
     directory loads as its base model with the adapter merged in."""
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
@@ -368,7 +368,7 @@ def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, loa
         base = load_model(adapter.base_model_name_or_path, trust_remote_code, cls, **kwargs)
         model = PeftModel.from_pretrained(base, path).merge_and_unload()
         trained_head = "score" in (adapter.modules_to_save or [])  # a reward model's adapter carries its head
-        return (model, {"missing_keys": [] if trained_head else ["score.weight"]}) if loading_info else model
+        return (model, {"missing_keys": [] if trained_head else ["score.weight"]}) if output_loading_info else model
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
@@ -381,7 +381,7 @@ def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, loa
         dtype=torch.float32,
         trust_remote_code=trust_remote_code,
         use_safetensors=True,
-        output_loading_info=loading_info,
+        output_loading_info=output_loading_info,
     )
 
 

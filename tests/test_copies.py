@@ -27,7 +27,7 @@ COPIES = {
     "greedy_completions": ["sft", "dpo"],
     "load_reward_model": ["grpo", "ppo"],
     **dict.fromkeys(
-        "check_lora start_run begin_training process_share log log_eval print_model enable_checkpointing "
+        "check_lora start_run begin_training process_share log log_eval enable_checkpointing "
         "check_stage_input lr_schedule gradient_sync optimizer_step maybe_checkpoint finish_run init_distributed "
         "mean_over_processes save_model fail checkpoints load_checkpoint restore_rng open_metrics check_ranges "
         "probe_writable load_failure write_failed save_final_model on_stop_signal".split(),

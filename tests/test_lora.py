@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -149,7 +150,7 @@ def first_eval_and_last(cwd, run_name, key):
 
 
 def assert_counts_logged(cwd, run_name, stdout):
-    assert "trainable parameters:" in stdout
+    assert re.search(r"model: [\d.]+M parameters \([\d.]+% trained\)", stdout)
     row = read_metrics(cwd, run_name)[0]
     assert row["step"] == 0 and 0 < row["train/trainable_parameters"] < row["train/parameters"]
 
