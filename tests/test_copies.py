@@ -9,8 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BANNER = "# Infrastructure:"
-ONE_TAIL = ["sft", "reward_model"]  # issue 35: the whole text below the banner is one copy
-OLD_TAIL = ["dpo", "grpo", "ppo"]  # not yet ported to it: their helpers are compared one by one
+ONE_TAIL = ["sft", "reward_model", "dpo"]  # issue 35: the whole text below the banner is one copy
+OLD_TAIL = ["grpo", "ppo"]  # not yet ported to it: their helpers are compared one by one
 COPIES = {
     "token_logprobs": OLD_TAIL,
     "lm_head_logprobs": OLD_TAIL,
@@ -21,7 +21,7 @@ COPIES = {
     "add_lora": OLD_TAIL,
     "unwrap": OLD_TAIL,
     "is_lora": OLD_TAIL,
-    "reference_policy": OLD_TAIL,  # with LoRA, π_ref is the policy with its adapter off
+    "reference_policy": ["dpo", "grpo", "ppo"],  # with LoRA, π_ref is the policy with its adapter off
     "pair_batch": ["reward_model", "dpo"],  # chosen then rejected completions, one batch
     "sample_pairs": ["reward_model", "dpo"],  # pairs of the starting model's own right and wrong samples
     "greedy_completions": ["sft", "dpo"],
@@ -33,7 +33,6 @@ COPIES = {
         "probe_writable load_failure write_failed save_final_model on_stop_signal".split(),
         OLD_TAIL,
     ),
-    "save_checkpoint": ["dpo", "grpo"],  # ppo's also writes the critic
 }
 
 
