@@ -148,7 +148,7 @@ def build_lora(args: Args, large: bool):
     with torch.device(args.device):
         base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if large and bf16 else torch.float32)
     if large:
-        grpo.enable_checkpointing(base)
+        grpo.enable_gradient_checkpointing(base)
     policy = grpo.add_lora(base, grpo.Args(lora_r=args.lora_r, bf16=bf16))
     return policy, None, config, shape
 
@@ -180,12 +180,14 @@ def grpo_step(policy, ref, optimizer, config, shape, args, autocast) -> dict:
     input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
     micro = [slice(i, i + shape["micro"]) for i in range(0, len(input_ids), shape["micro"])]
     with torch.no_grad(), autocast, grpo.reference_policy(policy, ref) as pi_ref:
-        ref_logps = [grpo.forward_logps(pi_ref, input_ids[s], attention_mask[s], completion_ids[s], 1.0) for s in micro]
+        ref_logps = [
+            grpo.forward_logps(pi_ref, input_ids[s], attention_mask[s], completion_ids.shape[1], 1.0) for s in micro
+        ]
     times["reference log-probs"], t = timer(device) - t, timer(device)
     advantages = grpo.group_advantages(torch.rand(len(input_ids), device=device), G)
     for k, s in enumerate(micro):
         with autocast:
-            logps = grpo.forward_logps(policy, input_ids[s], attention_mask[s], completion_ids[s], 1.0)
+            logps = grpo.forward_logps(policy, input_ids[s], attention_mask[s], completion_ids.shape[1], 1.0)
         loss, _ = grpo.grpo_loss(logps, logps.detach(), ref_logps[k], advantages[s], mask[s])
         (loss * len(logps) / len(input_ids)).backward()
     times["policy forward + backward"], t = timer(device) - t, timer(device)

@@ -9,8 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BANNER = "# Infrastructure:"
-ONE_TAIL = ["sft", "reward_model", "dpo"]  # issue 35: the whole text below the banner is one copy
-OLD_TAIL = ["grpo", "ppo"]  # not yet ported to it: their helpers are compared one by one
+ONE_TAIL = ["sft", "reward_model", "dpo", "grpo"]  # issue 35: the whole text below the banner is one copy
+OLD_TAIL = ["ppo"]  # not yet ported to it: their helpers are compared one by one
 COPIES = {
     "token_logprobs": OLD_TAIL,
     "lm_head_logprobs": OLD_TAIL,

@@ -220,7 +220,9 @@ def test_generation_logprobs_match_forward_pass():
     cmask = grpo.completion_mask(completion, torch.tensor([tok.eos_token_id]))
     gen_logps = grpo.token_logprobs(torch.stack(out.logits, 1) / 0.7, completion)
     with torch.no_grad():
-        fwd = grpo.forward_logps(model, torch.cat([ids, completion], 1), torch.cat([mask, cmask], 1), completion, 0.7)
+        fwd = grpo.forward_logps(
+            model, torch.cat([ids, completion], 1), torch.cat([mask, cmask], 1), completion.shape[1], 0.7
+        )
     assert cmask.sum() > 3
     assert (fwd - gen_logps).abs().mul(cmask).max() < 1e-4
 

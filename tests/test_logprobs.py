@@ -39,9 +39,7 @@ def chunked_logps(script, model, batch, temperature):
     ids, mask, completion_ids = batch["input_ids"], batch["attention_mask"], batch["completion_ids"]
     if script is sft:
         return sft.completion_logps(model, batch)
-    if script is grpo:
-        return grpo.forward_logps(model, ids, mask, completion_ids, temperature)
-    return ppo.forward_logps(model, ids, mask, completion_ids.shape[1], temperature)
+    return script.forward_logps(model, ids, mask, completion_ids.shape[1], temperature)
 
 
 @pytest.mark.parametrize("script", [sft, dpo, grpo, ppo], ids=lambda m: m.__name__)

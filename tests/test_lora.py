@@ -26,7 +26,7 @@ import sft
 
 
 def logps(model, batch):
-    return grpo.forward_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_ids"], 1.0)
+    return grpo.forward_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_ids"].shape[1], 1.0)
 
 
 def lora_policy(chat_model, **flags):
