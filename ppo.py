@@ -14,7 +14,8 @@ arXiv:1506.02438) in PPO's clipped objective (Schulman et al. 2017, arXiv:1707.0
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --reward-model <rm> --dataset trl-lib/tldr --max-new-tokens 64
 """
 
-import time
+import contextlib
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +99,7 @@ class Args:
     """with --lora-r: save merged full weights W + (α/r)·B·A in output_dir (the adapter in output_dir/adapter) instead of the adapter alone"""
     # run: precision, processes, logging, checkpoints
     seed: int = 1
-    """seed for torch, python and numpy"""
+    """seed for torch and python"""
     bf16: bool = torch.cuda.is_available()
     """bf16 autocast with fp32 master weights, reference and reward model held in bf16 (default: on with CUDA; on the CPU it emulates the GPU's numerics, slowly)"""
     fsdp: bool = False
@@ -119,8 +120,6 @@ class Args:
     """newest checkpoints kept; older ones are deleted"""
     resume: str | None = None
     """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
-    skip_nonfinite: bool = False
-    """skip optimiser steps whose loss or gradient norm is NaN/inf (counted) instead of stopping"""
 
 
 # The flags left at None above take a default that depends on the run: the built-in task's tuned value, or, with
@@ -138,20 +137,6 @@ DEFAULTS = {  # flag: (built-in task, pretrained model)
 
 
 # ---------------------------------------------------------------- the math
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log π(y_t | ·) of the given tokens at sampling temperature T: logits [B,T,V], tokens [B,T] → [B,T].
-
-    Equals (logits / T).log_softmax(-1).gather(-1, tokens) but computed as gather − logsumexp in fp32 (T
-    divides the fp32 logits, as sampling does, not bf16 ones), a few rows at a time, so the full [B,T,V]
-    fp32 log-softmax is never materialised."""
-    rows = max(1, 2**26 // max(1, logits.shape[1] * logits.shape[2]))
-    out = []
-    for lg, tk in zip(logits.split(rows), tokens.split(rows)):
-        lg = lg.float() / temperature
-        out.append(lg.gather(-1, tk.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, dim=-1))
-    return torch.cat(out)
-
-
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum()
 
@@ -218,34 +203,6 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 # ---------------------------------------------------------------- the method's helpers
-def position_ids(attention_mask):
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
-
-
-def forward_logps(model, input_ids, attention_mask, T: int, temperature: float, entropy: bool = False):
-    """log π(y_t) of the last T tokens [B,T] at the sampling temperature; the hidden state at t predicts t+1.
-    entropy=True: (log π(y_t), the entropy of π(·|x, y_<t)), the latter a metric without gradient."""
-    # the body's last hidden states (logits for one position only), then the LM head a chunk at a time
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids(attention_mask),
-        logits_to_keep=1,
-        output_hidden_states=True,
-    )
-    return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], input_ids[:, -T:], temperature, entropy)
-
-
-def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
-    """The scalar head of a sequence-classification model at every position [B, L]."""
-    model = unwrap(model)  # LoRA: the backbone and head inside the wrapper (they carry the adapter)
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)
-    ).last_hidden_state
-    return model.score(hidden).squeeze(-1).float()
-
-
 def critic_values(critic, input_ids, attention_mask, T: int) -> torch.Tensor:
     """V_ψ(s_t) [B,T]: the value of the state before completion token t (read where y_t is predicted)."""
     return head_outputs(critic, input_ids, attention_mask)[:, -T - 1 : -1]
@@ -272,275 +229,15 @@ def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, a
 
 
 @torch.no_grad()
-def reward_scores(
-    reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args: Args
-) -> torch.Tensor:
-    """r_ϕ(x, y) [B] at each row's last real token, minus reward_model.py's centring offset: of the policy's
-    ids, or with rm_tokenizer (another vocabulary), of the decoded texts re-tokenized its way."""
+def score_completions(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args: Args):
+    """r_ϕ(x, y) [B] (reward_scores, below), minus reward_model.py's centring offset; of the policy's ids, or with
+    rm_tokenizer (another vocabulary), of the decoded texts re-tokenized its way."""
     if rm_tokenizer is not None:
         input_ids, attention_mask = (
             t.to(input_ids.device)
             for t in common.retokenize(rm_tokenizer, rows, texts, ended.tolist(), args.max_prompt_length)
         )
-    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)
-    scores = head_outputs(reward_model, input_ids, attention_mask)[torch.arange(len(last)), last]
-    return scores - getattr(reward_model.config, "reward_offset", 0.0)
-
-
-@torch.no_grad()
-def evaluate(
-    policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args: Args, device, autocast
-) -> tuple[dict, list]:
-    """Greedy completions on held-out prompts: accuracy when answers exist, and the mean score; every sample."""
-    policy.eval()
-    scores, texts = [], []
-    for i in range(0, len(rows), 128):
-        batch_rows = rows[i : i + 128]
-        prompts = common.tokenize_prompts(tokenizer, batch_rows, args.max_prompt_length)
-        ids, mask = (t.to(device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
-        with autocast:
-            completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
-            batch_texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            input_ids, attention_mask = torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1)
-            s = reward_scores(
-                reward_model, rm_tokenizer, input_ids, attention_mask, batch_rows, batch_texts, ended, args
-            )
-        scores, texts = scores + s.tolist(), texts + batch_texts
-    policy.train()
-    metrics = {"eval/score": sum(scores) / len(scores)}
-    if all(r["answer"] is not None for r in rows):
-        metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
-    return metrics, [
-        {"prompt": r["prompt"], "completion": t, "answer": r["answer"], "score": v}
-        for r, t, v in zip(rows, texts, scores)
-    ]
-
-
-def main(args: Args):
-    run = start_run(args, "ppo")  # flags checked, --resume found, seeds set, torchrun's processes joined
-    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    tokenizer, policy, critic, ref, reward_model, rm_tokenizer = load_models(args, run)
-    # every id that ends a completion (chat models: several)
-    eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=run.device)
-    trained = wrap(policy, args, run.device)  # the policy's training forward goes through the DDP/FSDP2 wrapper
-    critic = wrap_critic(critic, args)
-    both = torch.nn.ModuleDict({"policy": policy, "critic": critic})  # one optimiser, one checkpoint for the two
-    if run.world > 1:  # every process samples its own completions
-        torch.manual_seed(args.seed + run.rank)
-
-    train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
-    eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
-    common.check_prompt_lengths(tokenizer, eval_rows, args.max_prompt_length)
-    print(f"{len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
-
-    # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
-    trainable = [p for p in both.parameters() if p.requires_grad]  # LoRA: the two adapters and the value head
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=True)
-    schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
-    step_rows = args.prompts_per_step * run.world
-    batches, progress = begin_training(args, run, both, optimizer, schedule, len(train_rows), step_rows)
-
-    def run_eval(step: int) -> dict:
-        metrics, samples = evaluate(
-            policy, tokenizer, eos_ids, eval_rows, reward_model, rm_tokenizer, args, run.device, autocast
-        )
-        return log_eval(run, step, metrics, samples)
-
-    start = end = run.state["start"] if run.state else run_eval(0)
-    for step in progress:
-        # 1. rollout: sample completions from π_θold, score them, and record everything PPO needs
-        rows = [train_rows[i] for i in process_share(next(batches), run, args.prompts_per_step)]
-        prompts = common.tokenize_prompts(tokenizer, rows, args.max_prompt_length)
-        prompt_ids, prompt_mask = (t.to(run.device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
-        t0 = time.time()
-        policy.eval()
-        with autocast:
-            completion_ids, mask, ended = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
-        policy.train()
-        gen_time = time.time() - t0
-        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
-        T = completion_ids.shape[1]
-        with torch.no_grad(), autocast:
-            old_logps = forward_logps(policy, input_ids, attention_mask, T, args.temperature)
-            with reference_policy(policy, ref) as pi_ref:
-                ref_logps = forward_logps(pi_ref, input_ids, attention_mask, T, args.temperature)
-            old_values = critic_values(critic, input_ids, attention_mask, T)
-            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            scores = reward_scores(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args)
-        scores = scores - args.missing_eos_penalty * (~ended).float()
-
-        # 2. per-token rewards with the KL penalty, GAE advantages Â (whitened over the batch) and returns
-        rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, args.kl_coef)
-        advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
-        advantages = whiten(advantages, mask)
-
-        # 3. update: num_ppo_epochs passes over num_mini_batches minibatches, one optimiser step each
-        stats = dict.fromkeys(
-            ["policy_loss", "value_loss", "clip_fraction", "approx_kl", "value_clip_fraction", "entropy", "grad_norm"],
-            0.0,
-        )
-        mb_size, n_updates = len(input_ids) // args.num_mini_batches, args.num_ppo_epochs * args.num_mini_batches
-        for _ in range(args.num_ppo_epochs):
-            order = torch.randperm(len(input_ids), device=run.device)
-            for mb in order[: mb_size * args.num_mini_batches].split(mb_size):
-                loss, micros = 0.0, mb.chunk(args.grad_accum_steps)
-                for k, micro in enumerate(micros):
-                    share = mask[micro].sum() / mask[mb].sum()  # both losses are token means over the minibatch
-                    with gradient_sync(trained, last=k == len(micros) - 1):
-                        with autocast:
-                            logps, entropy = forward_logps(
-                                trained, input_ids[micro], attention_mask[micro], T, args.temperature, entropy=True
-                            )
-                            values = critic_values(critic, input_ids[micro], attention_mask[micro], T)
-                        pg_loss, pg_stats = ppo_policy_loss(
-                            logps, old_logps[micro], advantages[micro], mask[micro], args.clip_eps, args.clip_eps_high
-                        )
-                        vf_loss = ppo_value_loss(
-                            values, old_values[micro], returns[micro], mask[micro], args.clip_eps_value
-                        )
-                        ((pg_loss + args.vf_coef * vf_loss) * share).backward()
-                    loss += (pg_loss + args.vf_coef * vf_loss).item() * share.item()
-                    vf_clipped = ((values - old_values[micro]).abs() > args.clip_eps_value).float()
-                    micro_stats = dict(policy_loss=pg_loss, value_loss=vf_loss, **pg_stats)
-                    micro_stats["value_clip_fraction"] = masked_mean(vf_clipped, mask[micro])
-                    micro_stats["entropy"] = masked_mean(entropy, mask[micro])
-                    for key, value in micro_stats.items():  # means over the minibatches of the round
-                        stats[key] += share.item() * value.item() / n_updates
-                average_gradients(critic, args)
-                loss = mean_over_processes({"loss": loss}, run.device)["loss"]
-                stats["grad_norm"] += optimizer_step(args, run, step, [policy, critic], optimizer, loss) / n_updates
-        schedule.step()
-
-        # 4. log, evaluate, checkpoint
-        kl = ((old_logps - ref_logps) * mask).sum(1)  # per-sequence KL estimate to the reference
-        stats |= {
-            "score": scores.mean().item(),
-            "kl": kl.mean().item(),
-            "rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
-            "explained_variance": explained_variance(old_values, returns, mask),
-            "completions/mean_length": mask.sum(1).float().mean().item(),  # named as in grpo.py (TRL's GRPO)
-            "completions/clipped_ratio": 1 - ended.float().mean().item(),  # cut by the length limit, no EOS
-            "lr": schedule.get_last_lr()[0],
-            "skipped_steps": run.skipped,
-            "generation_s": gen_time,
-        }
-        metrics = mean_over_processes({f"train/{k}": v for k, v in stats.items()}, run.device)
-        log(run, metrics, step)
-        if metrics["train/completions/clipped_ratio"] > 0.5:
-            common.warn_once(
-                f"most completions hit the {args.max_new_tokens}-token limit without an EOS: raise --max-new-tokens"
-            )
-        progress.set_postfix(score=f"{metrics['train/score']:.3f}", kl=f"{metrics['train/kl']:.3f}")
-        if step % args.eval_every == 0 or step == args.steps:
-            end = run_eval(step)
-        maybe_checkpoint(args, run, step, both, tokenizer, optimizer, schedule, start)
-
-    finish_run(args, run, policy, tokenizer, start, end)  # the policy alone: a plain causal LM
-
-
-# ======================================================================================================
-# Infrastructure: loading models and LoRA adapters, the LM head a chunk at a time, torchrun, checkpoints and
-# resume, logging, signals, user errors. Not part of the method: the helpers below that do the same thing in
-# several scripts are textually the same in each (tests/test_copies.py checks it).
-# ======================================================================================================
-# the infrastructure's own imports: here, beside it, so that the top of the file shows what the method needs
-import contextlib
-import copy
-import json
-import math
-import os
-import random
-import re
-import shutil
-import signal
-import sys
-import warnings
-from dataclasses import asdict
-from types import SimpleNamespace
-
-import numpy as np
-import torch.distributed as dist
-import tyro
-from safetensors import safe_open
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import checkpoint
-from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
-
-
-# -------------------------------------------------- models: loading, LoRA adapters, sampling settings
-def load_model(
-    path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info: bool = False, **kwargs
-):
-    """A model in fp32 (master weights) with every dropout probability in its config at 0. A LoRA adapter
-    directory loads as its base model with the adapter merged in."""
-    if os.path.isfile(os.path.join(path, "adapter_config.json")):
-        from peft import PeftConfig, PeftModel  # imported only when LoRA is used: it adds seconds to every start
-
-        adapter = PeftConfig.from_pretrained(path)
-        base = load_model(adapter.base_model_name_or_path, trust_remote_code, cls, **kwargs)
-        model = PeftModel.from_pretrained(base, path).merge_and_unload()
-        trained_head = "score" in (adapter.modules_to_save or [])  # a reward model's adapter carries its head
-        return (model, {"missing_keys": [] if trained_head else ["score.weight"]}) if output_loading_info else model
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
-    for key, value in config.to_dict().items():
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(config, key, 0.0)  # dropout off in every model: log-probs must be deterministic
-    return cls.from_pretrained(
-        path,
-        config=config,
-        dtype=torch.float32,
-        trust_remote_code=trust_remote_code,
-        use_safetensors=True,
-        output_loading_info=output_loading_info,
-    )
-
-
-def add_lora(model, args: Args, task_type: str = "CAUSAL_LM", checkpoint: str | None = None):
-    """--lora-r > 0: the model's weights W freeze and low-rank adapters train beside them, W + (α/r)·B·A on
-    --lora-target-modules (B = 0 at first: the model starts unchanged); a reward model or critic (SEQ_CLS)
-    also trains its score head in full. On resume the adapter comes from `checkpoint`. With --bf16 the frozen
-    weights are held in bf16, the trainable ones in fp32. --lora-r 0: the model as it is (full fine-tuning)."""
-    if not args.lora_r:
-        return model
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    if os.path.isdir(model.name_or_path):  # the adapter names its base model: an absolute path loads from anywhere
-        model.name_or_path = os.path.abspath(model.name_or_path)
-    if checkpoint:
-        model = PeftModel.from_pretrained(model, checkpoint, is_trainable=True)
-    else:
-        targets = args.lora_target_modules
-        config = LoraConfig(
-            task_type=task_type,
-            r=args.lora_r,
-            lora_alpha=args.lora_alpha,
-            lora_dropout=args.lora_dropout,
-            target_modules="all-linear" if targets == ("all-linear",) else list(targets),
-        )
-        model = get_peft_model(model, config)
-    for p in model.parameters():
-        if not p.requires_grad:
-            p.data = p.data.to(torch.bfloat16 if args.bf16 else torch.float32)
-    return model
-
-
-def unwrap(model):
-    """The transformers model inside a LoRA wrapper (its layers carry the adapter), or the model itself."""
-    return model.get_base_model() if is_lora(model) else model
-
-
-def is_lora(model) -> bool:
-    """Whether the model carries LoRA adapters (a peft PeftModel: none can exist before peft is imported)."""
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(model, peft.PeftModel)
+    return reward_scores(reward_model, input_ids, attention_mask) - getattr(reward_model.config, "reward_offset", 0.0)
 
 
 @contextlib.contextmanager
@@ -577,7 +274,7 @@ def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
     return model, own
 
 
-def load_models(args: Args, run: SimpleNamespace):
+def load_models(args: Args, run):
     """Four models: the policy π_θ and critic V_ψ train (from the checkpoint on resume); the reference π_ref
     (the starting policy; None with LoRA: the policy with its adapter switched off) and the reward model r_ϕ
     are frozen, held in bf16 with --bf16. Also the tokenizer and r_ϕ's own (None when it reads the policy's tokens)."""
@@ -585,122 +282,466 @@ def load_models(args: Args, run: SimpleNamespace):
     check_stage_input(args.reward_model, "models/reward", "reward_model.py", "--reward-model")
     frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
     ref, critic_checkpoint = None, run.checkpoint and os.path.join(run.checkpoint, "critic")
-    try:
-        path = args.model
-        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
-        if not args.lora_r:
-            ref = load_model(path, args.trust_remote_code).to(run.device, frozen_dtype).requires_grad_(False).eval()
-        path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
+    path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
+    with loading(path):
+        tokenizer = common.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
         policy = load_model(path, args.trust_remote_code)
-        path = run.checkpoint or path
-        policy = add_lora(policy, args, checkpoint=run.checkpoint).to(run.device)
-        path = args.reward_model
-        reward_model, rm_tokenizer = load_reward_model(path, tokenizer, args.trust_remote_code)
-        if critic_checkpoint and not args.lora_r:
-            path = critic_checkpoint
-            critic = load_model(path, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-        elif rm_tokenizer is None:  # V_ψ starts from r_ϕ: it already knows what scores well
-            critic = copy.deepcopy(reward_model)
-        else:  # V_ψ reads the policy's tokens, which r_ϕ cannot: the policy's weights with a new value head
-            critic = load_model(args.model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-            print(
-                "note: the critic starts from the policy with a new value head (the reward model reads another vocabulary)"
+    with loading(run.checkpoint or path):
+        policy = add_lora(policy, args, adapter=run.checkpoint).to(run.device)
+    if not args.lora_r:  # LoRA: π_ref is the policy with its adapter switched off
+        with loading(args.model):
+            ref = load_model(args.model, args.trust_remote_code) if run.checkpoint else copy.deepcopy(policy)
+        ref.to(run.device, frozen_dtype).requires_grad_(False).eval()
+    with loading(args.reward_model):
+        reward_model, rm_tokenizer = load_reward_model(args.reward_model, tokenizer, args.trust_remote_code)
+    if critic_checkpoint and not args.lora_r:
+        with loading(critic_checkpoint):
+            critic = load_model(
+                critic_checkpoint, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1
             )
-        path = critic_checkpoint or path
-        critic = add_lora(critic, args, "SEQ_CLS", checkpoint=critic_checkpoint)
-    except Exception as e:
-        fail(load_failure(path, e))
+    elif rm_tokenizer is None:  # V_ψ starts from r_ϕ: it already knows what scores well
+        critic = copy.deepcopy(reward_model)
+    else:  # V_ψ reads the policy's tokens, which r_ϕ cannot: the policy's weights with a new value head
+        with loading(args.model):
+            critic = load_model(args.model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
+        print(
+            "note: the critic starts from the policy with a new value head (the reward model reads another vocabulary)"
+        )
+    with loading(critic_checkpoint or args.reward_model):
+        critic = add_lora(critic, args, "SEQ_CLS", adapter=critic_checkpoint).to(run.device)
     reward_model.to(run.device, frozen_dtype).requires_grad_(False).eval()
     if args.gradient_checkpointing:
         for model in (policy, critic):
-            enable_checkpointing(model)
-    return tokenizer, policy, critic.to(run.device), ref, reward_model, rm_tokenizer
+            enable_gradient_checkpointing(model)
+    return tokenizer, policy, critic, ref, reward_model, rm_tokenizer
 
 
-def enable_checkpointing(model):
-    """--gradient-checkpointing: activations recomputed in the backward pass. Newer transformers call it
-    activation_checkpointing_enable (the old name warns that it goes in v6); older ones only have the old name."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+# the flags checked below the banner (check_args), besides those every script has
+METHOD_POSITIVE = (
+    "prompts_per_step num_ppo_epochs num_mini_batches clip_eps clip_eps_value temperature max_prompt_length".split()
+)
+METHOD_NON_NEGATIVE = "vf_coef kl_coef missing_eos_penalty".split()
+
+
+def method_rules(args: Args) -> list[tuple[bool, str]]:
+    """(broken, message): flag combinations that cannot work."""
+    high = args.clip_eps_high
+    return [
+        (high is not None and not high >= 0, f"--clip-eps-high must be 0 or positive (got {high})"),
+        (
+            args.prompts_per_step < args.num_mini_batches * args.grad_accum_steps,
+            f"--prompts-per-step ({args.prompts_per_step}) must be at least --num-mini-batches × --grad-accum-steps",
+        ),
+        (
+            args.prompts_per_step % args.num_mini_batches != 0,
+            f"--prompts-per-step ({args.prompts_per_step}) must be divisible by --num-mini-batches ({args.num_mini_batches})",
+        ),
+        (
+            not (0 <= args.lam <= 1 and 0 <= args.gamma <= 1),
+            f"--gamma and --lam must be in [0, 1] (got {args.gamma}, {args.lam})",
+        ),
+    ]
+
+
+@torch.no_grad()
+def evaluate(
+    policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args: Args, device, autocast
+) -> tuple[dict, list]:
+    """Greedy completions on held-out prompts: accuracy when answers exist, and the mean score; every sample."""
+    policy.eval()
+    scores, texts = [], []
+    for i in range(0, len(rows), 128):
+        batch_rows = rows[i : i + 128]
+        prompts = common.tokenize_prompts(tokenizer, batch_rows, args.max_prompt_length)
+        ids, mask = (t.to(device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
+        with autocast:
+            completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
+            batch_texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            input_ids, attention_mask = torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1)
+            s = score_completions(
+                reward_model, rm_tokenizer, input_ids, attention_mask, batch_rows, batch_texts, ended, args
+            )
+        scores, texts = scores + s.tolist(), texts + batch_texts
+    policy.train()
+    metrics = {"eval/score": sum(scores) / len(scores)}
+    if all(r["answer"] is not None for r in rows):
+        metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
+    return metrics, [
+        {"prompt": r["prompt"], "completion": t, "answer": r["answer"], "score": v}
+        for r, t, v in zip(rows, texts, scores)
+    ]
+
+
+def main(args: Args):
+    run = start_run(args, "ppo")  # flags checked, --resume found, seeds set, torchrun's processes joined
+    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    tokenizer, policy, critic, ref, reward_model, rm_tokenizer = load_models(args, run)
+    # every id that ends a completion (chat models: several)
+    eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=run.device)
+    trained = wrap(policy, args, run.device)  # the policy's training forward goes through the DDP/FSDP2 wrapper
+    trained_critic = wrap(critic, args, run.device)
+    both = torch.nn.ModuleDict({"policy": policy, "critic": critic})  # one optimiser, one checkpoint for the two
+    if run.world > 1:  # every process samples its own completions
+        torch.manual_seed(args.seed + run.rank)
+
+    train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
+    common.check_prompt_lengths(tokenizer, eval_rows, args.max_prompt_length)
+    print(f"{len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
+
+    # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
+    trainable = [p for p in both.parameters() if p.requires_grad]  # LoRA: the two adapters and the value head
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=True)
+    schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
+    step_rows = args.prompts_per_step * run.world
+    batches, progress = begin_training(args, run, both, optimizer, schedule, len(train_rows), step_rows)
+
+    def run_eval(step: int) -> dict:
+        metrics, samples = evaluate(
+            policy, tokenizer, eos_ids, eval_rows, reward_model, rm_tokenizer, args, run.device, autocast
+        )
+        return log_eval(run, step, metrics, samples)
+
+    first_eval = last_eval = run.state["first_eval"] if run.state else run_eval(0)
+    for step in progress:
+        # 1. rollout: sample completions from π_θold, score them, and record everything PPO needs
+        rows = [train_rows[i] for i in process_share(next(batches), run, args.prompts_per_step)]
+        prompts = common.tokenize_prompts(tokenizer, rows, args.max_prompt_length)
+        prompt_ids, prompt_mask = (t.to(run.device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
+        t0 = time.time()
+        policy.eval()
+        with autocast:
+            completion_ids, mask, ended = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
+        policy.train()
+        gen_time = time.time() - t0
+        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
+        T = completion_ids.shape[1]
+        with torch.no_grad(), autocast:
+            old_logps = forward_logps(policy, input_ids, attention_mask, T, args.temperature)
+            with reference_policy(policy, ref) as pi_ref:
+                ref_logps = forward_logps(pi_ref, input_ids, attention_mask, T, args.temperature)
+            old_values = critic_values(critic, input_ids, attention_mask, T)
+            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            scores = score_completions(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args)
+        scores = scores - args.missing_eos_penalty * (~ended).float()
+
+        # 2. per-token rewards with the KL penalty, GAE advantages Â (whitened over the batch) and returns
+        rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, args.kl_coef)
+        advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
+        advantages = whiten(advantages, mask)
+
+        # 3. update: num_ppo_epochs passes over num_mini_batches minibatches, one optimiser step each
+        stats = dict.fromkeys(
+            ["policy_loss", "value_loss", "clip_fraction", "approx_kl", "value_clip_fraction", "entropy", "grad_norm"],
+            0.0,
+        )
+        mb_size, n_updates = len(input_ids) // args.num_mini_batches, args.num_ppo_epochs * args.num_mini_batches
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(len(input_ids), device=run.device)
+            for mb in order[: mb_size * args.num_mini_batches].split(mb_size):
+                micros = mb.chunk(args.grad_accum_steps)
+                for k, micro in enumerate(micros):
+                    share = mask[micro].sum() / mask[mb].sum()  # both losses are token means over the minibatch
+                    with gradient_sync(trained, trained_critic, last=k == len(micros) - 1):
+                        with autocast:
+                            logps, entropy = forward_logps(
+                                trained, input_ids[micro], attention_mask[micro], T, args.temperature, entropy=True
+                            )
+                            values = critic_values(trained_critic, input_ids[micro], attention_mask[micro], T)
+                        pg_loss, pg_stats = ppo_policy_loss(
+                            logps, old_logps[micro], advantages[micro], mask[micro], args.clip_eps, args.clip_eps_high
+                        )
+                        vf_loss = ppo_value_loss(
+                            values, old_values[micro], returns[micro], mask[micro], args.clip_eps_value
+                        )
+                        ((pg_loss + args.vf_coef * vf_loss) * share).backward()
+                    vf_clipped = ((values - old_values[micro]).abs() > args.clip_eps_value).float()
+                    micro_stats = dict(policy_loss=pg_loss, value_loss=vf_loss, **pg_stats)
+                    micro_stats["value_clip_fraction"] = masked_mean(vf_clipped, mask[micro])
+                    micro_stats["entropy"] = masked_mean(entropy, mask[micro])
+                    for key, value in micro_stats.items():  # means over the minibatches of the round
+                        stats[key] += share.item() * value.item() / n_updates
+                stats["grad_norm"] += optimizer_step(args, run, step, [policy, critic], optimizer) / n_updates
+        schedule.step()
+
+        # 4. log, evaluate, checkpoint
+        kl = ((old_logps - ref_logps) * mask).sum(1)  # per-sequence KL estimate to the reference
+        stats |= {
+            "score": scores.mean().item(),
+            "kl": kl.mean().item(),
+            "rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
+            "explained_variance": explained_variance(old_values, returns, mask),
+            "completions/mean_length": mask.sum(1).float().mean().item(),  # named as in grpo.py (TRL's GRPO)
+            "completions/clipped_ratio": 1 - ended.float().mean().item(),  # cut by the length limit, no EOS
+            "lr": schedule.get_last_lr()[0],
+            "generation_s": gen_time,
+        }
+        metrics = over_processes({f"train/{k}": v for k, v in stats.items()}, run.device)
+        log(run, metrics, step)
+        if metrics["train/completions/clipped_ratio"] > 0.5:
+            common.warn_once(
+                f"most completions hit the {args.max_new_tokens}-token limit without an EOS: raise --max-new-tokens"
+            )
+        progress.set_postfix(score=f"{metrics['train/score']:.3f}", kl=f"{metrics['train/kl']:.3f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            last_eval = run_eval(step)
+        maybe_checkpoint(args, run, step, both, tokenizer, optimizer, schedule, first_eval)
+
+    finish_run(args, run, policy, tokenizer, first_eval, last_eval)  # the policy alone: a plain causal LM
+
+
+# ======================================================================================================
+# Infrastructure: loading models, LoRA, the LM head a chunk at a time, sampling, torchrun, checkpoints and
+# resume, logging, signals, user errors. Not part of the method, and the same text in all five scripts
+# (tests/test_copies.py checks it), so that a fix in one is a fix in all.
+# ======================================================================================================
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+import warnings
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import torch.distributed as dist
+import tyro
+from safetensors import safe_open
+from torch.distributed.checkpoint import state_dict as dcp
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint as recompute
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+
+
+# -------------------------------------------------- models: loading, LoRA, the LM head, sampling
+def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info=False, **kwargs):
+    """A model in fp32 (master weights) with every dropout probability in its config at 0. A LoRA adapter
+    directory loads as its base model with the adapter merged in."""
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        from peft import PeftConfig, PeftModel  # imported only when LoRA is used: it adds seconds to every start
+
+        adapter = PeftConfig.from_pretrained(path)
+        base = load_model(adapter.base_model_name_or_path, trust_remote_code, cls, **kwargs)
+        model = PeftModel.from_pretrained(base, path).merge_and_unload()
+        trained_head = "score" in (adapter.modules_to_save or [])  # a reward model's adapter carries its head
+        return (model, {"missing_keys": [] if trained_head else ["score.weight"]}) if output_loading_info else model
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)  # dropout off in every model: log-probs must be deterministic
+    if cls is AutoModelForSequenceClassification and config.pad_token_id is None:
+        config.pad_token_id = 0  # its forward refuses batches without one; head_outputs reads every position itself
+    return cls.from_pretrained(
+        path,
+        config=config,
+        dtype=torch.float32,
+        trust_remote_code=trust_remote_code,
+        use_safetensors=True,
+        output_loading_info=output_loading_info,
+    )
+
+
+@contextlib.contextmanager
+def loading(path: str):
+    """Any failure inside stops the run with one line on why the model or tokenizer at `path` cannot be loaded."""
+    try:
+        yield
+    except Exception as e:
+        if not os.path.exists(path) and (path.startswith((".", "/", "~")) or path.count("/") != 1):  # not owner/name
+            fail(f"cannot load model {path!r}: no such file or directory")
+        if not os.path.exists(path):
+            fail(f"cannot load model {path!r} from the hub: {common.error_reason(e)}")
+        names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+        if os.path.isdir(path) and not {"config.json", "adapter_config.json"} & set(names):
+            fail(f"cannot load model {path!r}: it is not a model directory (no config.json)")
+        for file in (os.path.join(path, name) for name in names):
+            try:  # which file is cut short or corrupt?
+                if file.endswith(".safetensors"):
+                    with safe_open(file, "pt"):
+                        pass
+                elif file.endswith(".json"):
+                    with open(file) as f:
+                        json.load(f)
+            except Exception as bad:
+                fail(f"cannot load model {path!r}: {file} is corrupt or cut short ({common.error_reason(bad)})")
+        fail(f"cannot load model {path!r}: {common.error_reason(e)}")
+
+
+def add_lora(model, args: Args, task_type: str = "CAUSAL_LM", adapter: str | None = None):
+    """--lora-r > 0: the weights W freeze and low-rank adapters train beside them, W + (α/r)·B·A on
+    --lora-target-modules (B = 0 at first: the model starts unchanged); a reward model or critic (SEQ_CLS) also
+    trains its score head. On resume the adapter comes from `adapter`. With --bf16 the frozen weights are held in
+    bf16, the trainable ones in fp32. --lora-r 0: the model as it is (full fine-tuning)."""
+    if not args.lora_r:
+        return model
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if os.path.isdir(model.name_or_path):  # the adapter names its base model: an absolute path loads from anywhere
+        model.name_or_path = os.path.abspath(model.name_or_path)
+    if adapter:
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    else:
+        targets = "all-linear" if args.lora_target_modules == ("all-linear",) else list(args.lora_target_modules)
+        config = LoraConfig(
+            task_type=task_type,
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            target_modules=targets,
+            lora_dropout=args.lora_dropout,
+        )
+        model = get_peft_model(model, config)
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16 if args.bf16 else torch.float32)
+    return model
+
+
+def unwrap(model):
+    """The transformers model inside the DDP and LoRA wrappers (its layers carry the adapter)."""
+    model = model.module if isinstance(model, DDP) else model
+    return model.get_base_model() if is_lora(model) else model
+
+
+def is_lora(model) -> bool:
+    """Whether the model carries LoRA adapters (a peft PeftModel: none can exist before peft is imported)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def enable_gradient_checkpointing(model):
+    """Activations recomputed in the backward pass (transformers ≥ 5.x names it activation checkpointing)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
+
+
+def forward_logps(model, input_ids, attention_mask, T: int, temperature: float = 1.0, entropy: bool = False):
+    """log π(y_t) [B,T] of the last T tokens at temperature T; the hidden state at t predicts token t+1.
+    entropy=True: also the entropy of each π(·|x, y_<t), a metric without gradient: (log π, H)."""
+    # the body's last hidden states (logits for one position only), then the LM head a chunk at a time
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids(attention_mask),
+        logits_to_keep=1,
+        output_hidden_states=True,
+    )
+    return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], input_ids[:, -T:], temperature, entropy)
+
+
+def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
+    """A sequence-classification model's scalar head at every position [B, L] (a reward model, a critic). The
+    forward goes through the DDP/FSDP2 wrapper, so that its gradients are synced as the policy's are."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids(attention_mask),
+        output_hidden_states=True,
+    )
+    return unwrap(model).score(out.hidden_states[-1]).squeeze(-1).float()
+
+
+def reward_scores(model, input_ids, attention_mask) -> torch.Tensor:
+    """r_ϕ(x, y) [B]: a reward model's scalar head at each row's last real token (any padding)."""
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)
+    return head_outputs(model, input_ids, attention_mask)[torch.arange(len(last)), last]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log π(y_t | ·) = log softmax(logits / T)[y_t]: logits [B,T,V], tokens [B,T] → [B,T]; as gather − logsumexp
+    in fp32 (T divides fp32 logits, as sampling does), so no [B,T,V] log-softmax is materialised."""
+    logits = logits.float() / temperature
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 LOGITS_CHUNK = 2**25  # logits (positions × vocabulary) that lm_head_logprobs holds at once: 128 MiB in fp32
 
 
 def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, entropy=False):
-    """log softmax(W·h_t / T)[y_t]: hidden states h [B,T,H] through the LM head W, tokens y [B,T] → [B,T].
-
-    The same numbers as token_logprobs(model's logits, y, T), but a few positions at a time (LOGITS_CHUNK
-    logits), each chunk recomputed in backward (checkpoint): the [B,T,V] logits are never all in memory, nor
-    kept for backward (with a 150k vocabulary they dwarf the model's own activations). entropy=True: also the
-    entropy H_t = −Σ_v π(v) log π(v) of each position's distribution at T, a metric (no gradient): (logps, H)."""
-    head = (model.module if isinstance(model, DDP) else model).get_output_embeddings()
-    positions = max(1, LOGITS_CHUNK // head.weight.shape[0])
+    """token_logprobs(W·h, y, T) for hidden states h [B,T,H] through the LM head W, a few positions at a time,
+    each chunk recomputed in backward: the [B,T,V] logits are never all in memory (with a 150k vocabulary they
+    dwarf the model's activations). entropy=True: also H_t = −Σ_v π(v) log π(v) at T (no gradient)."""
+    head = unwrap(model).get_output_embeddings()
 
     def chunk(h, y):
-        logits = head(h)[None]
+        logits = head(h)
         if not entropy:
-            return token_logprobs(logits, y[None], temperature)[0]
+            return token_logprobs(logits, y, temperature)
         with torch.no_grad():
-            logp = (logits.float() / temperature).log_softmax(-1)  # one chunk of positions at a time
-            H = -(logp.exp() * logp).sum(-1)[0]
-        return token_logprobs(logits, y[None], temperature)[0], H
+            logp = (logits.float() / temperature).log_softmax(-1)
+        return token_logprobs(logits, y, temperature), -(logp.exp() * logp).sum(-1)
 
-    out = [
-        checkpoint(chunk, h, y, use_reentrant=False)
-        for h, y in zip(hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions))
-    ]
-    if not entropy:
-        return torch.cat(out).view_as(tokens)
-    return tuple(torch.cat(part).view_as(tokens) for part in zip(*out))
+    positions = max(1, LOGITS_CHUNK // head.weight.shape[0])
+    h, y = hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions)
+    out = [recompute(chunk, *hy, use_reentrant=False) for hy in zip(h, y)]
+    parts = [torch.cat(part).view_as(tokens) for part in (zip(*out) if entropy else [out])]
+    return tuple(parts) if entropy else parts[0]
 
 
 @torch.no_grad()
 def generate_exactly(
-    model, prompt_ids, prompt_mask, tokenizer, eos_ids, max_new_tokens: int, temperature=0.0, static_cache=False, n=1
+    model, prompt_ids, prompt_mask, tokenizer, eos_ids, max_new_tokens, temperature=0.0, static_cache=False, n=1
 ) -> torch.Tensor:
-    """[prompt | completion] ids: n completions of each left-padded prompt, sampled from exactly softmax(logits / T),
-    the π_θ of every log-prob here (greedy at T = 0), each ending at its first EOS (any of eos_ids). The model's
-    own generation_config (hub chat models ship top_k, top_p, min_p, repetition_penalty, …) is set aside for the
-    call, as generate() merges it into any request; top_k=0 turns off transformers' default of 50. static_cache:
-    a preallocated KV cache (on CUDA transformers then compiles the decoding step)."""
+    """[prompt | completion] ids: n completions of each left-padded prompt from exactly softmax(logits / T), the
+    π_θ of every log-prob here (greedy at T = 0), each ending at its first EOS (any of eos_ids). The model's own
+    generation_config (top_k, top_p, repetition_penalty, … on hub chat models) is set aside for the call, as
+    generate() merges it into any request. static_cache: a preallocated KV cache (compiled on CUDA)."""
     sharded = isinstance(model, FSDPModule)  # FSDP2: every process must run each decoding step (synced_gpus)
     model = unwrap(model)  # LoRA: generate() reads the inner model's generation_config
-    own = model.generation_config
-    model.generation_config = GenerationConfig(
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}  # top_k 0: no top-50
+    config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=[int(i) for i in eos_ids],
         num_return_sequences=n,
-        **(dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)),
-        **(dict(cache_implementation="static") if static_cache else {}),
+        cache_implementation="static" if static_cache else None,
+        **(sampling if temperature else {"do_sample": False}),
     )
+    own, model.generation_config = model.generation_config, config
     try:
         return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=sharded)
     finally:
         model.generation_config = own
 
 
+# -------------------------------------------------- the run: start, steps, checkpoints, the end
 def start_run(args: Args, script: str) -> SimpleNamespace:
-    """What every run does before the method: a signal now exits at once (nothing to save yet), --resume finds
-    its checkpoint, the flags left at None take their DEFAULTS, bad flags stop the run with one line, the seeds
-    are set and torchrun's processes join.
-    Returns `run`: rank, world, device, checkpoint and its state (None on a fresh run), the run's name, and
-    what the loop keeps (skipped steps, the last checkpoint, stop signals, the metrics file and wandb)."""
+    """What every run does before the method: --resume finds its checkpoint (and the run's flags), the flags
+    left at None take their DEFAULTS, bad flags stop the run with one line, seeds are set, torchrun's processes
+    join. Returns `run`: rank, world, device, the checkpoint and its state (None on a fresh run), and what the
+    loop keeps (the last checkpoint, stop signals, the metrics file, wandb)."""
     t_start = time.time()  # every metrics row carries the wall time since here
-    on_stop_signal(None)
     # peft reads transformers' deprecated is_gradient_checkpointing at every LoRA model: peft's warning, not the user's
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-    checkpoint, state = load_checkpoint(args)  # on resume, the flags not given are the run's own
+    checkpoint, state = load_checkpoint(args)
     resolve_defaults(args)
     check_args(args)
-    probe_writable(args.output_dir)
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+    except OSError as e:
+        fail(f"cannot write to {args.output_dir}: {e.strerror or e}")
     random.seed(args.seed)
-    np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    rank, world, device = init_distributed()
+    rank, world, device = 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if "RANK" in os.environ:  # torchrun: one process per device, NCCL on CUDA, gloo on the CPU
+        device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if device.type == "cuda" else "cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
     if rank:  # only the first process prints, logs and saves
         sys.stdout = open(os.devnull, "w")
     name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
@@ -713,64 +754,76 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
         state=state,
         name=name,
         t_start=t_start,
-        skipped=state["skipped"] if state else 0,
-        shown=state.get("shown") if state else None,  # the held-out samples printed at each evaluation
         last_checkpoint=checkpoint,
         stop=[],
         metrics_file=None,
         wandb=None,
+        shown=state["shown"] if state else None,  # the held-out samples printed at each evaluation
     )
 
 
 def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, n_rows: int, step_rows: int):
-    """Checks that the training rows fill a step, opens the metrics file (and wandb with --track), and on
-    --resume puts back the optimiser, the schedule, the data position (the batches already drawn) and each
-    process's RNG. From here on a signal finishes the step, saves a checkpoint and exits 0. Prints (and logs
-    at step 0) the trainable parameter count. Returns the batches (endless: `step_rows` row indices a step, a
-    new shuffle each epoch, the same in every process) and the steps left to run, as a progress bar."""
+    """Opens the metrics file (and wandb with --track); on --resume puts back the optimiser, the schedule, the
+    data position and each process's RNG; from here on a signal finishes the step, saves a checkpoint and exits
+    0. Returns the batches (endless: `step_rows` row indices a step, a new shuffle each epoch, the same in every
+    process) and the steps left to run, as a progress bar."""
     if n_rows < step_rows:
         fail(f"{n_rows} training rows are fewer than one step takes ({step_rows}, over all processes)")
     batches = common.shuffled_batches(n_rows, step_rows, args.seed)
+    step = run.state["step"] if run.state else 0
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
-        set_optimizer_state_dict(
-            model, optimizer, run.state["optimizer"], options=StateDictOptions(full_state_dict=True)
+        dcp.set_optimizer_state_dict(
+            model, optimizer, run.state["optimizer"], options=dcp.StateDictOptions(full_state_dict=True)
         )
         schedule.load_state_dict(run.state["schedule"])
-        for _ in range(run.state["step"]):
+        for _ in range(step):
             next(batches)
-        restore_rng(run.state["rng"][run.rank])
-        print(f"resuming from {run.checkpoint} (step {run.state['step']})")
-    if run.rank == 0:
-        run.metrics_file = open_metrics(run.name, run.state["step"] if run.state else None)
-        with open(f"runs/{run.name}/args.json", "w") as f:  # the flags as resolved: what this run really used
+        rng = run.state["rng"][run.rank]
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"]:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        random.setstate(rng["python"])
+        print(f"resuming from {run.checkpoint} (step {step})")
+    if run.rank == 0:  # runs/<name>/: the flags as resolved, and metrics.jsonl without the rows after the checkpoint
+        path = f"runs/{run.name}/metrics.jsonl"
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"runs/{run.name}/args.json", "w") as f:
             json.dump(asdict(args), f, indent=1)
+        rows = open(path).read().splitlines() if run.state and os.path.exists(path) else []
+        with open(path, "w") as f:
+            f.writelines(r + "\n" for r in rows if r.endswith("}") and json.loads(r)["step"] <= step)
+        run.metrics_file = open(path, "a")
     if args.track and run.rank == 0:
         import wandb
 
+        wandb_id = run.state["wandb_id"] if run.state else None
         run.wandb = wandb.init(
             project=args.wandb_project,
             entity=args.wandb_entity,
             name=run.name,
             config=asdict(args),
-            id=run.state.get("wandb_id") if run.state else None,
+            id=wandb_id,
             resume="allow",
         )
-    on_stop_signal(run.stop)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    def on_signal(signum, frame):  # finish the step, checkpoint, exit 0; a second signal stops at once
+        run.stop.append(signal.Signals(signum).name)
+        signal.signal(signum, signal.SIG_DFL)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     precision = "bf16 autocast" if args.bf16 else "fp32"
     print(
-        f"model: {total / 1e6:.2f}M parameters ({100 * trainable / total:.2f}% trained) on {run.device} × {run.world}, {precision}"
+        f"model: {total / 1e6:.2f}M parameters ({100 * trained / total:.2f}% trained) on {run.device} × {run.world}, {precision}"
     )
     if not run.state:
-        log(run, {"train/trainable_parameters": trainable, "train/parameters": total}, 0)
-    first_step = run.state["step"] + 1 if run.state else 1
-    progress = tqdm(
-        range(first_step, args.steps + 1), desc=run.script, dynamic_ncols=True, disable=run.rank > 0 or None
-    )
-    return batches, progress
+        log(run, {"train/trainable_parameters": trained, "train/parameters": total}, 0)
+    bar = tqdm(range(step + 1, args.steps + 1), desc=run.script, dynamic_ncols=True, disable=run.rank > 0 or None)
+    return batches, bar
 
 
 def process_share(step_batch: list, run: SimpleNamespace, size: int, micro_batch: int = 0) -> list:
@@ -778,18 +831,24 @@ def process_share(step_batch: list, run: SimpleNamespace, size: int, micro_batch
     return step_batch[(micro_batch * run.world + run.rank) * size :][:size]
 
 
-def gradient_sync(model, last: bool):
+def gradient_sync(*models, last: bool):
     """DDP all-reduces gradients in every backward pass; over a step's micro-batches only the last needs it."""
-    return model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for model in models:
+        if isinstance(model, DDP) and not last:
+            stack.enter_context(model.no_sync())
+    return stack
 
 
 def lr_schedule(optimizer, warmup_steps: int, steps: int, decay: bool):
-    """Linear warm-up over warmup_steps (0: none), then constant or (decay) linearly down to 0 at the last step."""
+    """Linear warm-up over warmup_steps (0: none), then constant, or with decay linearly down to 0 at the end."""
 
     def factor(s: int) -> float:
         if s < warmup_steps:
             return (s + 1) / warmup_steps
-        return max(0.0, (steps - s) / max(1, steps - warmup_steps)) if decay else 1.0
+        if not decay:
+            return 1.0
+        return max(0.0, (steps - s) / max(1, steps - warmup_steps))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -798,24 +857,23 @@ def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | No
     """A row of runs/<name>/metrics.jsonl (first process only) and, with --track, of wandb (samples: a table)."""
     if run.rank:
         return
-    run.metrics_file.write(
-        json.dumps({"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}) + "\n"
-    )
+    row = {"step": step, **metrics, "time/elapsed_s": round(time.time() - run.t_start, 3)}
+    run.metrics_file.write(json.dumps(row) + "\n")
     run.metrics_file.flush()
     if run.wandb:
         import wandb
 
-        table = (
-            {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}
-            if samples
-            else {}
-        )
-        run.wandb.log({**metrics, **table}, step=step)
+        if samples:
+            metrics = {
+                **metrics,
+                "samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples]),
+            }
+        run.wandb.log(metrics, step=step)
 
 
 def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]) -> dict:
-    """Held-out metrics and a few of the held-out samples, the same prompts at every evaluation (picked at the
-    first: see common.shown_samples): logged, and printed above the progress bar."""
+    """Held-out metrics and a few held-out samples, the same prompts at every evaluation (picked at the first:
+    see common.shown_samples): logged, and printed above the progress bar."""
     if run.shown is None:
         run.shown = common.shown_samples(samples)
     samples = [{**samples[i], "verdict": common.describe(samples[i])} for i in run.shown]
@@ -826,82 +884,57 @@ def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]
     return metrics
 
 
-def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, optimizer, loss: float) -> float:
-    """Clips each model's gradient norm to --max-grad-norm and steps, unless the loss (the same in every
-    process) or the norm is NaN/inf: then the step is skipped (--skip-nonfinite, counted) or the run stops,
-    naming the last good checkpoint. Returns the gradient norm (summed over `models`)."""
+def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, optimizer) -> float:
+    """Clips each model's gradient norm to --max-grad-norm and steps. A NaN/inf norm (the same in every process:
+    the gradients are synced) stops the run, naming the last good checkpoint. Returns the norm (summed)."""
     norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), args.max_grad_norm) for m in models]
-    grad_norm = sum(n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms)  # FSDP2: DTensors
-    if math.isfinite(loss) and torch.isfinite(grad_norm):
-        optimizer.step()
-    elif args.skip_nonfinite:
-        run.skipped += 1
-    else:
+    grad_norm = sum(n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms).item()  # FSDP2: DTensors
+    if not math.isfinite(grad_norm):
         sys.exit(
-            f"error: non-finite loss ({loss}) or gradient norm ({grad_norm.item()}) at step {step}; "
-            f"last good checkpoint: {run.last_checkpoint or 'none'}. Lower --lr, or pass --skip-nonfinite"
+            f"error: non-finite gradient norm ({grad_norm}) at step {step}; last good checkpoint: "
+            f"{run.last_checkpoint or 'none'}. Lower --lr"
         )
+    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm.item()
+    return grad_norm
 
 
-def maybe_checkpoint(
-    args: Args, run: SimpleNamespace, step: int, model, tokenizer, optimizer, schedule, start: dict, extra_state=dict
-):
+def maybe_checkpoint(args: Args, run, step: int, model, tokenizer, optimizer, schedule, first_eval: dict, extra=dict):
     """A checkpoint every --save-every steps, and when any process got a stop signal: then the run exits 0.
-    `extra_state()`: what else this script's checkpoints hold (called in every process, only when saving)."""
-    stopping = mean_over_processes({"stop": float(bool(run.stop))}, run.device)["stop"] > 0  # a signal to one stops all
+    `extra()`: what else this script's checkpoints hold (called in every process, only when saving)."""
+    stopping = over_processes({"stop": float(bool(run.stop))}, run.device, "max")["stop"]  # one signalled: all stop
     if (args.save_every and step % args.save_every == 0) or stopping:
-        run.last_checkpoint = save_checkpoint(
-            args,
-            step,
-            model,
-            tokenizer,
-            optimizer,
-            {
-                "schedule": schedule.state_dict(),
-                "run_name": run.name,
-                "start": start,
-                "skipped": run.skipped,
-                "shown": run.shown,
-                "wandb_id": run.wandb.id if run.wandb else None,
-                **extra_state(),
-            },
+        wandb_id = run.wandb.id if run.wandb else None
+        state = dict(
+            schedule=schedule.state_dict(),
+            run_name=run.name,
+            first_eval=first_eval,
+            shown=run.shown,
+            wandb_id=wandb_id,
+            **extra(),
         )
+        run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, state)
     if stopping:
-        print(
-            f"stopped by {(run.stop or ['a signal to another process'])[0]} after step {step}; saved {run.last_checkpoint}; "
-            "continue with --resume latest"
-        )
+        signal_name = run.stop[0] if run.stop else "a signal to another process"
+        print(f"stopped by {signal_name} after step {step}; saved {run.last_checkpoint}; continue with --resume latest")
         sys.exit(0)
 
 
-def finish_run(args: Args, run: SimpleNamespace, model, tokenizer, start: dict, end: dict):
-    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs.
-    (torchrun's process group is destroyed after main() returns: see the end of the script.)"""
+def finish_run(args: Args, run: SimpleNamespace, model, tokenizer, first_eval: dict, last_eval: dict):
+    """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs."""
     save_final_model(model, tokenizer, args)
-    print("held-out " + ", ".join(f"{k} {start[k]:.4f} → {end[k]:.4f}" for k in end) + f"; saved to {args.output_dir}")
+    changes = ", ".join(f"{k} {first_eval[k]:.4f} → {last_eval[k]:.4f}" for k in last_eval)
+    print(f"held-out {changes}; saved to {args.output_dir}")
     if run.metrics_file:
         run.metrics_file.close()
     if run.wandb:
         run.wandb.finish()
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """(rank, world size, device). Under torchrun: one process per device, NCCL on CUDA, gloo on the CPU."""
-    cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if cuda else "cpu")
-    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
+# -------------------------------------------------- torchrun: DDP or FSDP2, values over processes
 def wrap(model, args: Args, device):
-    """DDP (every process holds the model; gradients are averaged), or with --fsdp FSDP2 (each decoder
-    layer's parameters, gradients and optimiser state sharded across processes). One process: as is."""
+    """DDP (every process holds the model; gradients are averaged), or with --fsdp FSDP2 (each decoder layer's
+    parameters, gradients and optimiser state sharded across processes). One process: as it is."""
     if not dist.is_initialized():
         return model
     if args.fsdp:
@@ -912,46 +945,35 @@ def wrap(model, args: Args, device):
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def wrap_critic(critic, args: Args):
-    """The critic is read through its backbone and score head (head_outputs): under FSDP2 those two are
-    sharded (and each decoder layer); otherwise every process holds it and average_gradients syncs it."""
-    if dist.is_initialized() and args.fsdp:
-        for module in critic.modules():
-            if type(module).__name__ in (critic._no_split_modules or []):
-                fully_shard(module)
-        fully_shard(getattr(critic, critic.base_model_prefix))
-        fully_shard(critic.score)
-    return critic
-
-
-def average_gradients(model, args: Args):
-    """Data parallel by hand: each gradient becomes its mean over processes (DDP would need the forward to go
-    through its wrapper; reward model and critic are read through their backbone and score head). FSDP2
-    averages by itself."""
-    if dist.is_initialized() and not args.fsdp:
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= dist.get_world_size()
-
-
-def mean_over_processes(values: dict, device) -> dict:
-    """Each metric averaged over all processes (a no-op for one)."""
+def over_processes(values: dict, device, op: str = "mean") -> dict:
+    """Each value's mean (or min, max) over all processes (one process: the values)."""
     if not dist.is_initialized():
         return values
     t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return dict(zip(values, (t / dist.get_world_size()).tolist()))
+    dist.all_reduce(t, op={"mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+    return dict(zip(values, (t / dist.get_world_size() if op == "mean" else t).tolist()))
 
 
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU, for rank 0 to write
+def gather_lists(items: list) -> list:
+    """Every process's `items`, concatenated in rank order: the same list in every process (one: `items`)."""
+    if not dist.is_initialized():
+        return items
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, items)
+    return [item for share in shares for item in share]
+
+
+# -------------------------------------------------- saving: checkpoints, resume, the final model
+FULL_STATE = dcp.StateDictOptions(
+    full_state_dict=True, cpu_offload=True
+)  # whole tensors, on the CPU, for rank 0 to write
 
 
 def save_model(model, tokenizer, path: str, args: Args):
-    """A normal transformers directory, written by rank 0 (under FSDP2 every process helps gather the weights)."""
+    """A plain transformers directory, written by rank 0 (under FSDP2 every process helps gather the weights)."""
     weights = None
     if args.fsdp and dist.is_initialized():
-        weights = get_model_state_dict(model, options=FULL_STATE)
+        weights = dcp.get_model_state_dict(model, options=FULL_STATE)
         # a tied parameter (embeddings = LM head) is saved once, under its first name, as transformers does
         tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
         weights = {k: v for k, v in weights.items() if k not in tied}
@@ -961,32 +983,25 @@ def save_model(model, tokenizer, path: str, args: Args):
 
 
 def save_final_model(model, tokenizer, args: Args):
-    """The trained model in output_dir, written like a checkpoint: to output_dir/final.tmp, then moved over
-    the previous model's files, so a failed write (disk full) leaves the previous model whole. With LoRA: the
-    adapter (PeftModel.from_pretrained loads it onto its base), or with --merge-lora the merged full weights
-    and the adapter in output_dir/adapter."""
-    tmp = os.path.join(args.output_dir, "final.tmp")
-    main_process = not dist.is_initialized() or dist.get_rank() == 0
+    """The trained model in output_dir, written to output_dir/final.tmp then moved over the previous model's
+    files, so a failed write (disk full) leaves the previous model whole. With LoRA: the adapter, or with
+    --merge-lora the merged full weights (and the adapter in output_dir/adapter)."""
+    tmp, main_process = os.path.join(args.output_dir, "final.tmp"), not dist.is_initialized() or dist.get_rank() == 0
     try:
         if main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         if args.merge_lora and is_lora(model):
             save_model(model, tokenizer, os.path.join(tmp, "adapter"), args)
-            # W ← W + (α/r)·B·A in every adapted layer, in fp32 (the frozen W is held in bf16 under --bf16, and a bf16
-            # sum would round small updates away): a plain transformers model, saved in fp32 like a full fine-tune
+            # W ← W + (α/r)·B·A in fp32 (the frozen W is bf16 under --bf16, whose sum would round small updates away)
             model = model.float().merge_and_unload()
         save_model(model, tokenizer, tmp, args)
         if main_process:
             new = os.listdir(tmp)
-            for name in set(os.listdir(args.output_dir)) - set(new):  # what the previous model had, the new lacks
+            for name in os.listdir(args.output_dir):  # the previous model's files (not its checkpoints)
                 path = os.path.join(args.output_dir, name)
-                if os.path.isfile(path):
-                    os.remove(path)
-                elif name == "adapter":  # a merged LoRA model's
-                    shutil.rmtree(path)
+                if name in new or (os.path.isfile(path) and name != "final.tmp") or name == "adapter":
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
             for name in new:
-                if os.path.isdir(os.path.join(args.output_dir, name)):
-                    shutil.rmtree(os.path.join(args.output_dir, name))
                 os.replace(os.path.join(tmp, name), os.path.join(args.output_dir, name))
             os.rmdir(tmp)
     except Exception as e:
@@ -1001,80 +1016,49 @@ def checkpoints(output_dir: str) -> list[str]:
 
 
 def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: dict) -> str:
-    """output_dir/checkpoint-<step>/: model["policy"] + tokenizer (loadable as they are), model["critic"] in critic/, trainer_state.pt
-    (optimiser, scheduler, each process's RNG states, step (= the data position: one batch per step),
-    args). Written to a temporary directory and renamed into place, so a kill at any moment leaves
-    the previous checkpoint whole."""
-    path = os.path.join(args.output_dir, f"checkpoint-{step}")
-    main_process = not dist.is_initialized() or dist.get_rank() == 0
+    """output_dir/checkpoint-<step>/: the model + tokenizer, loadable as they are (a ModuleDict: its first model
+    there, the others in subdirectories), and trainer_state.pt (optimiser, schedule, each process's RNG states,
+    step, args). Written to checkpoint-<step>.tmp and renamed, so a kill at any moment leaves the previous whole."""
+    path, main_process = (
+        os.path.join(args.output_dir, f"checkpoint-{step}"),
+        not dist.is_initialized() or dist.get_rank() == 0,
+    )
+    models = list(model.items()) if isinstance(model, torch.nn.ModuleDict) else [("", model)]
+    rng = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    rngs = gather_lists([rng])
     try:
         if main_process:
             shutil.rmtree(path + ".tmp", ignore_errors=True)
-        save_model(model["policy"], tokenizer, path + ".tmp", args)
-        save_model(model["critic"], tokenizer, os.path.join(path + ".tmp", "critic"), args)
-    except Exception as e:  # disk full, permissions: one line, the previous checkpoint stays whole
-        write_failed(path + ".tmp", e, args.output_dir)
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE)  # by parameter name, unsharded
-    np_rng = np.random.get_state()
-    rng = {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "python": random.getstate(),
-        "numpy": (np_rng[0], torch.from_numpy(np_rng[1].astype(np.int64)), *np_rng[2:]),
-    }
-    rngs = [rng]
-    if dist.is_initialized():
-        rngs = [None] * dist.get_world_size()
-        dist.all_gather_object(rngs, rng)
-    if main_process:
-        try:
-            torch.save(
-                {
-                    **state,
-                    "optimizer": optimizer_state,
-                    "step": step,
-                    "args": asdict(args),
-                    "rng": rngs,
-                    "script": os.path.basename(__file__),
-                },
-                os.path.join(path + ".tmp", "trainer_state.pt"),
+        for i, (name, m) in enumerate(models):
+            save_model(m, tokenizer, os.path.join(path + ".tmp", name if i else ""), args)
+        optimizer_state = dcp.get_optimizer_state_dict(model, optimizer, options=FULL_STATE)  # by name, unsharded
+        if main_process:
+            state |= dict(
+                optimizer=optimizer_state, step=step, args=asdict(args), rng=rngs, script=os.path.basename(__file__)
             )
+            torch.save(state, os.path.join(path + ".tmp", "trainer_state.pt"))
             shutil.rmtree(path, ignore_errors=True)
             os.replace(path + ".tmp", path)
-        except Exception as e:
-            write_failed(path + ".tmp", e, args.output_dir)
-        for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
-            shutil.rmtree(old)
+            for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
+                shutil.rmtree(old)
+    except Exception as e:  # disk full, permissions: one line, the previous checkpoint stays whole
+        write_failed(path + ".tmp", e, args.output_dir)
     if dist.is_initialized():
         dist.barrier()
     return path
 
 
-# flags that only steer a run: they may change when it is resumed; every other flag defines the run
-CAN_CHANGE_ON_RESUME = {
-    "steps",
-    "resume",
-    "output_dir",
-    "save_every",
-    "keep_checkpoints",
-    "eval_every",
-    "track",
-    "wandb_project",
-    "wandb_entity",
-    "run_name",
-    "skip_nonfinite",
-    "gradient_checkpointing",
-    "static_cache",
-    "fsdp",
-    "trust_remote_code",
-    "merge_lora",
-}
+# flags a resumed run may change; every other flag is the checkpoint's own
+RESUME_FLAGS = "resume output_dir steps save_every keep_checkpoints eval_every track wandb_project wandb_entity".split()
 
 
 def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
-    """--resume: the given checkpoint directory, or `latest` in output_dir (none yet: start afresh). The flags
-    that define the run are taken from the checkpoint (a different value given on the command line stops
-    the run); a run that already reached --steps stops here, changing nothing."""
+    """--resume: the given checkpoint directory, or `latest` in output_dir (none yet: start afresh). The run's
+    flags come from the checkpoint, except RESUME_FLAGS; a run that already reached --steps stops here."""
     path = args.resume
     if path == "latest":
         path = (checkpoints(args.output_dir) or [None])[-1]
@@ -1082,142 +1066,68 @@ def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
             print(f"note: no checkpoint in {args.output_dir} yet; starting from scratch")
     if path is None:
         return None, None
-    if not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+    file = os.path.join(path, "trainer_state.pt")
+    if not os.path.isfile(file):
         fail(f"--resume {path}: not a checkpoint directory (no trainer_state.pt)")
     try:
-        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+        state = torch.load(file, weights_only=True)
     except Exception as e:
-        fail(
-            f"--resume {path}: {os.path.join(path, 'trainer_state.pt')} is corrupt or cut short ({common.error_reason(e)})"
-        )
-    script = os.path.basename(__file__)
-    written_by = state.get("script") or (script if set(state["args"]) == set(asdict(args)) else "another script")
-    if written_by != script:
-        fail(f"--resume {path}: that checkpoint was written by {written_by}, not {script}")
-    defaults, typed = Args(), {a.split("=")[0] for a in sys.argv[1:]}
+        fail(f"--resume {path}: {file} is corrupt or cut short ({common.error_reason(e)})")
+    if state["script"] != os.path.basename(__file__):
+        fail(f"--resume {path}: that checkpoint was written by {state['script']}, not {os.path.basename(__file__)}")
+    defaults = Args()  # a RESUME_FLAGS flag left at its default is the run's own too
     for name, saved in state["args"].items():
-        value, flag = getattr(args, name, saved), "--" + name.replace("_", "-")
-        if value == saved:
-            continue
-        if (
-            value == getattr(defaults, name) and not {flag, flag.replace("--", "--no-")} & typed
-        ):  # not given: the run's own value
+        if name not in RESUME_FLAGS or getattr(args, name) in (None, getattr(defaults, name)):
             setattr(args, name, saved)
-        elif name not in CAN_CHANGE_ON_RESUME:
-            fail(
-                f"{flag} {value} differs from the {saved} that {path} was run with; resume with the same value, or start a new run"
-            )
-    if args.steps != state["args"]["steps"]:
-        print(
-            f"note: --steps {args.steps}: the run (begun with --steps {state['args']['steps']}) goes on to step {args.steps}"
-        )
+    changed = [n for n in RESUME_FLAGS[1:] if getattr(args, n) != state["args"][n]]
+    flags = ", ".join(f"--{n.replace('_', '-')} {getattr(args, n)}" for n in changed)
+    print(f"resuming with the flags {path} was run with" + (f", but {flags}" if flags else ""))
     if state["step"] >= args.steps:
-        print(
-            f"{path} is at step {state['step']}: the run already reached --steps {args.steps}; nothing to do (its model is in {path})"
-        )
+        print(f"{path} is at step {state['step']}: the run already reached --steps {args.steps}; nothing to do")
         sys.exit(0)
     return path, state
 
 
-def restore_rng(rng: dict):
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"]:
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    random.setstate(rng["python"])
-    name, keys, *rest = rng["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-
-
-def open_metrics(run_name: str, resumed_step: int | None):
-    """runs/<run_name>/metrics.jsonl for appending; on resume, rows logged after the checkpoint are dropped."""
-    path = f"runs/{run_name}/metrics.jsonl"
-    probe_writable(os.path.dirname(path))
-    if resumed_step is not None and os.path.exists(path):
-        rows = [line for line in open(path).read().splitlines() if line.endswith("}")]  # not a row cut short
-        with open(path, "w") as f:
-            f.writelines(line + "\n" for line in rows if json.loads(line)["step"] <= resumed_step)
-    return open(path, "a")
-
-
-def on_stop_signal(stop: list | None):
-    """SIGINT/SIGTERM. During set-up (`stop` None): exit 0 at once, there is nothing to save yet. During
-    training: the signal's name goes into `stop`, the step finishes, a checkpoint is saved and the run exits 0;
-    a second signal stops at once."""
-
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
-        if stop is None:
-            print(f"stopped by {name} during set-up; nothing to save")
-            sys.exit(0)
-        stop.append(name)
-        signal.signal(signum, signal.SIG_DFL)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
-
-
 def check_stage_input(path: str, default: str, script: str, flag: str):
-    """A stage's default input (models/sft, models/reward) exists only once the stage before has run (a model,
-    or a LoRA adapter); an interrupted run leaves it empty."""
-    if path == default and not any(
-        os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")
-    ):
+    """A stage's default input (models/sft, models/reward) exists only once the stage before has run."""
+    names = os.listdir(path) if os.path.isdir(path) else []
+    if path == default and not {"config.json", "adapter_config.json"} & set(names):
         fail(f"{path} not found: run `python {script}` first (or pass {flag})")
 
 
-def check_lora(args: Args):
-    """LoRA's flags: rank ≥ 0, α > 0, dropout in [0, 1); not with --fsdp; never saved over the model it adapts."""
-    check_ranges(args, ["lora_alpha"], ["lora_r"])
-    if not 0 <= args.lora_dropout < 1:
-        fail(f"--lora-dropout must be in [0, 1) (got {args.lora_dropout})")
-    if not args.lora_r:
-        return
-    if args.fsdp:
-        fail("--lora-r with --fsdp is not supported: under torchrun, LoRA trains with DDP (drop --fsdp)")
-    if not args.model:
-        fail(
-            "--lora-r trains adapters on a pretrained model: pass --model (the tiny from-scratch model trains in full)"
-        )
-    if os.path.abspath(args.output_dir) == os.path.abspath(args.model):
-        fail(
-            f"--output-dir {args.output_dir} is the model being adapted, which its adapter needs; pass another --output-dir"
-        )
+# -------------------------------------------------- flags and user errors
+POSITIVE = (
+    "steps grad_accum_steps lr max_grad_norm eval_every eval_size max_new_tokens keep_checkpoints lora_alpha".split()
+)
+NON_NEGATIVE = "warmup_steps seed save_every lora_r".split()
 
 
 def check_args(args: Args):
-    """Invalid flag values stop the run at once, before any model is loaded."""
-    check_ranges(
-        args,
-        [
-            "steps",
-            "prompts_per_step",
-            "num_ppo_epochs",
-            "num_mini_batches",
-            "grad_accum_steps",
-            "lr",
-            "max_grad_norm",
-            "clip_eps",
-            "clip_eps_value",
-            "temperature",
-            "max_new_tokens",
-            "max_prompt_length",
-            "eval_every",
-            "eval_size",
-            "keep_checkpoints",
-        ],
-        ["vf_coef", "kl_coef", "missing_eos_penalty", "warmup_steps", "seed", "save_every"],
-    )
-    if args.prompts_per_step < args.num_mini_batches * args.grad_accum_steps:
-        fail(f"--prompts-per-step ({args.prompts_per_step}) must be at least --num-mini-batches × --grad-accum-steps")
-    if args.prompts_per_step % args.num_mini_batches:
-        fail(
-            f"--prompts-per-step ({args.prompts_per_step}) must be divisible by --num-mini-batches ({args.num_mini_batches})"
-        )
-    check_lora(args)
-    if args.clip_eps_high is not None and not args.clip_eps_high >= 0:
-        fail(f"--clip-eps-high must be 0 or positive (got {args.clip_eps_high})")
-    if not 0 <= args.lam <= 1 or not 0 <= args.gamma <= 1:
-        fail(f"--gamma and --lam must be in [0, 1] (got {args.gamma}, {args.lam})")
+    """Flag values that would go silently wrong stop the run before any work, with one line: the flags every
+    script has, then the method's (METHOD_POSITIVE, METHOD_NON_NEGATIVE, method_rules' combinations)."""
+    for name in POSITIVE + NON_NEGATIVE + METHOD_POSITIVE + METHOD_NON_NEGATIVE:
+        value, positive = getattr(args, name), name in POSITIVE + METHOD_POSITIVE
+        if not math.isfinite(value) or value < 0 or (value == 0 and positive):
+            fail(f"--{name.replace('_', '-')} must be {'positive' if positive else '0 or positive'} (got {value})")
+    lora = args.lora_r > 0
+    for broken, message in [
+        (not 0 <= args.lora_dropout < 1, f"--lora-dropout must be in [0, 1) (got {args.lora_dropout})"),
+        (
+            lora and args.fsdp,
+            "--lora-r with --fsdp is not supported: under torchrun, LoRA trains with DDP (drop --fsdp)",
+        ),
+        (
+            lora and not args.model,
+            "--lora-r trains adapters on a pretrained model: pass --model (the tiny model trains in full)",
+        ),
+        (
+            lora and args.model and os.path.abspath(args.output_dir) == os.path.abspath(args.model),
+            f"--output-dir {args.output_dir} is the model being adapted, which its adapter needs; pass another",
+        ),
+        *method_rules(args),
+    ]:
+        if broken:
+            fail(message)
 
 
 def resolve_defaults(args: Args):
@@ -1233,80 +1143,27 @@ def resolve_defaults(args: Args):
     print(f"{which}: {', '.join(taken) or 'none (every such flag was given)'}")
 
 
-def defaults_help() -> str:
-    """The two sets of DEFAULTS as a table, for --help."""
-    lines = [f"  {'--' + name.replace('_', '-'):<22} {a!s:<14} {b}" for name, (a, b) in DEFAULTS.items()]
-    header = f"  {'flag':<22} {'built-in task':<14} pretrained model (any other dataset or model)"
-    return "\n\nDefaults that depend on the run (a flag given always wins):\n" + "\n".join([header, *lines])
-
-
-def check_ranges(args: Args, positive: list[str], non_negative: list[str]):
-    """Each named flag must be a finite number > 0 (positive) or ≥ 0 (non_negative); else one error line."""
-    for names, bound in ((positive, "positive"), (non_negative, "0 or positive")):
-        for name in names:
-            value = getattr(args, name)
-            if not math.isfinite(value) or value < 0 or (value == 0 and bound == "positive"):
-                fail(f"--{name.replace('_', '-')} must be {bound} (got {value})")
-
-
 def fail(message: str):
     """A user error: one line on stderr, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
-def probe_writable(directory: str):
-    """Creates `directory` and writes and removes a small file in it, so that an unwritable --output-dir
-    stops the run before any work instead of at the first save."""
-    if os.path.isfile(directory):
-        fail(f"cannot write to {directory}: it is a file, not a directory")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".write-test-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        fail(f"cannot write to {directory}: {e.strerror or e}")
-
-
-def load_failure(path: str, e: Exception) -> str:
-    """One sentence on why a model, tokenizer or checkpoint at `path` cannot be loaded, naming the file at fault."""
-    if not os.path.exists(path):
-        if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a hub id is `owner/name`
-            return f"cannot load model {path!r}: no such file or directory"
-        return f"cannot load model {path!r} from the hub: {common.error_reason(e)}"
-    if os.path.isdir(path) and not any(
-        os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")
-    ):
-        return f"cannot load model {path!r}: it is not a model directory (no config.json)"
-    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
-        file = os.path.join(path, name)
-        try:  # which file is cut short or corrupt?
-            if name.endswith(".safetensors"):
-                with safe_open(file, "pt"):
-                    pass
-            elif name.endswith(".json"):
-                with open(file) as f:
-                    json.load(f)
-        except Exception as bad:
-            return f"cannot load model {path!r}: {file} is corrupt or cut short ({common.error_reason(bad)})"
-    return f"cannot load model {path!r}: {common.error_reason(e)}"
-
-
 def write_failed(path: str, e: Exception, output_dir: str):
-    """A write that failed (disk full, permissions): its partial directory is removed and the run stops with
-    one line naming the last complete checkpoint; files written before are untouched."""
+    """A write that failed (disk full, permissions): its partial directory is removed and the run stops with one
+    line naming the last complete checkpoint; files written before are untouched."""
     shutil.rmtree(path, ignore_errors=True)
     last = (checkpoints(output_dir) or ["none"])[-1]
     sys.exit(
-        f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are untouched; "
-        f"last complete checkpoint: {last}"
+        f"error: could not write {path} ({common.error_reason(e)}); the files already in {output_dir} are "
+        f"untouched; last complete checkpoint: {last}"
     )
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args, description=__doc__ + defaults_help())
+    table = "\n".join(f"  --{n.replace('_', '-'):<22} {a!s:<14} {b}" for n, (a, b) in DEFAULTS.items())
+    header = f"\n\nDefaults that depend on the run (a flag given always wins):\n  {'flag':<22} {'built-in task':<14} pretrained model"
+    args = tyro.cli(Args, description=__doc__ + header + "\n" + table)
     try:
         main(args)
     except common.DataError as e:

@@ -9,30 +9,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BANNER = "# Infrastructure:"
-ONE_TAIL = ["sft", "reward_model", "dpo", "grpo"]  # issue 35: the whole text below the banner is one copy
-OLD_TAIL = ["ppo"]  # not yet ported to it: their helpers are compared one by one
-COPIES = {
-    "token_logprobs": OLD_TAIL,
-    "lm_head_logprobs": OLD_TAIL,
-    "generate_exactly": OLD_TAIL,
+ONE_TAIL = ["sft", "reward_model", "dpo", "grpo", "ppo"]  # the whole text below the banner is one copy
+COPIES = {  # the method helpers above the banner that several scripts share
     "completion_mask": ["grpo", "ppo"],
     "generate": ["grpo", "ppo"],
-    "load_model": OLD_TAIL,
-    "add_lora": OLD_TAIL,
-    "unwrap": OLD_TAIL,
-    "is_lora": OLD_TAIL,
     "reference_policy": ["dpo", "grpo", "ppo"],  # with LoRA, π_ref is the policy with its adapter off
     "pair_batch": ["reward_model", "dpo"],  # chosen then rejected completions, one batch
     "sample_pairs": ["reward_model", "dpo"],  # pairs of the starting model's own right and wrong samples
     "greedy_completions": ["sft", "dpo"],
     "load_reward_model": ["grpo", "ppo"],
-    **dict.fromkeys(
-        "check_lora start_run begin_training process_share log log_eval enable_checkpointing "
-        "check_stage_input lr_schedule gradient_sync optimizer_step maybe_checkpoint finish_run init_distributed "
-        "mean_over_processes save_model fail checkpoints load_checkpoint restore_rng open_metrics check_ranges "
-        "probe_writable load_failure write_failed save_final_model on_stop_signal".split(),
-        OLD_TAIL,
-    ),
 }
 
 

@@ -185,6 +185,11 @@ RUNS = [  # script, flags: each completes under torchrun and saves what transfor
             "3",
         ],
     ),
+    # DDP: the critic's forward goes through its own wrapper; micro-batches but the last skip the all-reduce
+    (
+        "ppo.py",
+        "--model {sft} --reward-model {rm} --steps 2 --prompts-per-step 8 --eval-size 8 --grad-accum-steps 2".split(),
+    ),
 ]
 
 

@@ -66,10 +66,7 @@ def sampled_logq_and_forward_logps(script, model, tok, temperature, static_cache
     log_q = captured["scores"].float().log_softmax(-1).gather(-1, completion_ids[..., None])[..., 0]
     with torch.no_grad():
         input_ids, attention_mask = torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1)
-        if script is grpo:
-            fwd = grpo.forward_logps(model, input_ids, attention_mask, completion_ids.shape[1], temperature)
-        else:
-            fwd = ppo.forward_logps(model, input_ids, attention_mask, completion_ids.shape[1], temperature)
+        fwd = script.forward_logps(model, input_ids, attention_mask, completion_ids.shape[1], temperature)
     return log_q, fwd, cmask, captured["config"]
 
 
