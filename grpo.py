@@ -259,7 +259,7 @@ def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, a
 def score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokenizer, args: Args) -> torch.Tensor:
     """r_i [B]: answer correctness (+ a format bonus for a number before EOS), or the reward model's score."""
     if reward_model is not None:
-        return reward_model_scores(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args)
+        return score_completions(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args)
     rewards = []
     for row, text, done in zip(rows, texts, ended.tolist()):
         try:
@@ -348,7 +348,7 @@ def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
 
 
 @torch.no_grad()
-def reward_model_scores(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args: Args):
+def score_completions(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args: Args):
     """r_ϕ(x, y) [B] (reward_scores, below), minus reward_model.py's centring offset; of the policy's ids, or with
     rm_tokenizer (another vocabulary), of the decoded texts re-tokenized its way."""
     if rm_tokenizer is not None:

@@ -18,6 +18,7 @@ COPIES = {  # the method helpers above the banner that several scripts share
     "sample_pairs": ["reward_model", "dpo"],  # pairs of the starting model's own right and wrong samples
     "greedy_completions": ["sft", "dpo"],
     "load_reward_model": ["grpo", "ppo"],
+    "score_completions": ["grpo", "ppo"],  # r_ϕ(x, y) of sampled completions
 }
 
 
