@@ -693,24 +693,16 @@ def add_lora(model, args: Args, task_type: str = "CAUSAL_LM", adapter: str | Non
 
 
 def unwrap(model):
-    """The transformers model inside the DDP and LoRA wrappers (its layers carry the adapter)."""
+    """The transformers model inside the DDP and LoRA (peft) wrappers (its layers carry the adapter)."""
     model = model.module if isinstance(model, DDP) else model
-    return model.get_base_model() if is_lora(model) else model
-
-
-def is_lora(model) -> bool:
-    """Whether the model carries LoRA adapters (a peft PeftModel: none can exist before peft is imported)."""
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(model, peft.PeftModel)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def enable_gradient_checkpointing(model):
     """Activations recomputed in the backward pass (transformers ≥ 5.x names it activation checkpointing)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):
+        return model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -790,15 +782,11 @@ def generate_exactly(
     generate() merges it into any request. static_cache: a preallocated KV cache (compiled on CUDA)."""
     sharded = isinstance(model, FSDPModule)  # FSDP2: every process must run each decoding step (synced_gpus)
     model = unwrap(model)  # LoRA: generate() reads the inner model's generation_config
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}  # top_k 0: no top-50
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=[int(i) for i in eos_ids],
-        num_return_sequences=n,
-        cache_implementation="static" if static_cache else None,
-        **(sampling if temperature else {"do_sample": False}),
-    )
+    config = GenerationConfig(do_sample=temperature > 0, max_new_tokens=max_new_tokens, num_return_sequences=n)
+    if temperature:  # exactly softmax(logits / T): top_k 0 and top_p 1 turn generate()'s top-50 default off
+        config.update(temperature=temperature, top_k=0, top_p=1.0)
+    config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=[int(i) for i in eos_ids])
+    config.cache_implementation = "static" if static_cache else None
     own, model.generation_config = model.generation_config, config
     try:
         return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=sharded)
@@ -812,10 +800,12 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
     left at None take their DEFAULTS, bad flags stop the run with one line, seeds are set, torchrun's processes
     join. Returns `run`: rank, world, device, the checkpoint and its state (None on a fresh run), and what the
     loop keeps (the last checkpoint, stop signals, the metrics file, wandb)."""
-    t_start = time.time()  # every metrics row carries the wall time since here
+    # every metrics row carries the wall time since t_start; the held-out samples `shown` are picked at step 0
+    run = SimpleNamespace(script=script, t_start=time.time(), stop=[], metrics_file=None, wandb=None, rank=0, world=1)
     # peft reads transformers' deprecated is_gradient_checkpointing at every LoRA model: peft's warning, not the user's
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-    checkpoint, state = load_checkpoint(args)
+    run.checkpoint, run.state = load_checkpoint(args)
+    run.last_checkpoint = run.checkpoint
     resolve_defaults(args)
     check_args(args)
     try:
@@ -824,31 +814,18 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
         fail(f"cannot write to {args.output_dir}: {e.strerror or e}")
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    rank, world, device = 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    run.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if "RANK" in os.environ:  # torchrun: one process per device, NCCL on CUDA, gloo on the CPU
-        device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if device.type == "cuda" else "cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-    if rank:  # only the first process prints, logs and saves
+        run.device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if run.device.type == "cuda" else "cpu")
+        if run.device.type == "cuda":
+            torch.cuda.set_device(run.device)
+        dist.init_process_group("nccl" if run.device.type == "cuda" else "gloo")
+        run.rank, run.world = dist.get_rank(), dist.get_world_size()
+    if run.rank:  # only the first process prints, logs and saves
         sys.stdout = open(os.devnull, "w")
-    name = state["run_name"] if state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
-    return SimpleNamespace(
-        script=script,
-        rank=rank,
-        world=world,
-        device=device,
-        checkpoint=checkpoint,
-        state=state,
-        name=name,
-        t_start=t_start,
-        last_checkpoint=checkpoint,
-        stop=[],
-        metrics_file=None,
-        wandb=None,
-        shown=state["shown"] if state else None,  # the held-out samples printed at each evaluation
-    )
+    run.name = run.state["run_name"] if run.state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
+    run.shown = run.state["shown"] if run.state else None
+    return run
 
 
 def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, n_rows: int, step_rows: int):
@@ -1053,9 +1030,7 @@ def gather_lists(items: list) -> list:
 
 
 # -------------------------------------------------- saving: checkpoints, resume, the final model
-FULL_STATE = dcp.StateDictOptions(
-    full_state_dict=True, cpu_offload=True
-)  # whole tensors, on the CPU, for rank 0 to write
+FULL_STATE = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU, for rank 0
 
 
 def save_model(model, tokenizer, path: str, args: Args):
@@ -1079,7 +1054,7 @@ def save_final_model(model, tokenizer, args: Args):
     try:
         if main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-        if args.merge_lora and is_lora(model):
+        if args.merge_lora and hasattr(model, "merge_and_unload"):  # a LoRA (peft) model
             save_model(model, tokenizer, os.path.join(tmp, "adapter"), args)
             # W ← W + (α/r)·B·A in fp32 (the frozen W is bf16 under --bf16, whose sum would round small updates away)
             model = model.float().merge_and_unload()
@@ -1088,7 +1063,7 @@ def save_final_model(model, tokenizer, args: Args):
             new = os.listdir(tmp)
             for name in os.listdir(args.output_dir):  # the previous model's files (not its checkpoints)
                 path = os.path.join(args.output_dir, name)
-                if name in new or (os.path.isfile(path) and name != "final.tmp") or name == "adapter":
+                if name in new or name == "adapter" or os.path.isfile(path):
                     shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
             for name in new:
                 os.replace(os.path.join(tmp, name), os.path.join(args.output_dir, name))
@@ -1108,17 +1083,11 @@ def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: d
     """output_dir/checkpoint-<step>/: the model + tokenizer, loadable as they are (a ModuleDict: its first model
     there, the others in subdirectories), and trainer_state.pt (optimiser, schedule, each process's RNG states,
     step, args). Written to checkpoint-<step>.tmp and renamed, so a kill at any moment leaves the previous whole."""
-    path, main_process = (
-        os.path.join(args.output_dir, f"checkpoint-{step}"),
-        not dist.is_initialized() or dist.get_rank() == 0,
-    )
+    path = os.path.join(args.output_dir, f"checkpoint-{step}")
+    main_process = not dist.is_initialized() or dist.get_rank() == 0
     models = list(model.items()) if isinstance(model, torch.nn.ModuleDict) else [("", model)]
-    rng = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-    rngs = gather_lists([rng])
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    rngs = gather_lists([{"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": cuda}])
     try:
         if main_process:
             shutil.rmtree(path + ".tmp", ignore_errors=True)
