@@ -612,8 +612,9 @@ def unwrap(model):
 def enable_gradient_checkpointing(model):
     """Activations recomputed in the backward pass (transformers ≥ 5.x names it activation checkpointing)."""
     if hasattr(model, "activation_checkpointing_enable"):
-        return model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -711,7 +712,7 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
     left at None take their DEFAULTS, bad flags stop the run with one line, seeds are set, torchrun's processes
     join. Returns `run`: rank, world, device, the checkpoint and its state (None on a fresh run), and what the
     loop keeps (the last checkpoint, stop signals, the metrics file, wandb)."""
-    # every metrics row carries the wall time since t_start; the held-out samples `shown` are picked at step 0
+    # every metrics row carries the wall time since t_start
     run = SimpleNamespace(script=script, t_start=time.time(), stop=[], metrics_file=None, wandb=None, rank=0, world=1)
     # peft reads transformers' deprecated is_gradient_checkpointing at every LoRA model: peft's warning, not the user's
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
@@ -735,7 +736,7 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
     if run.rank:  # only the first process prints, logs and saves
         sys.stdout = open(os.devnull, "w")
     run.name = run.state["run_name"] if run.state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
-    run.shown = run.state["shown"] if run.state else None
+    run.shown = run.state["shown"] if run.state else None  # the held-out samples printed at each evaluation
     return run
 
 
