@@ -236,7 +236,7 @@ def main(args: Args):
     def run_eval(step: int) -> dict:
         return log_eval(run, step, *evaluate(model, tokenizer, eos_ids, eval_rows, args, run.device, autocast))
 
-    first_eval = last_eval = run.state["first_eval"] if run.state else run_eval(0)
+    last_eval = run.first_eval or run_eval(0)
     for step in progress:
         # 4. one step: ℒ_SFT, the token mean over all the step's completions, gradients summed over its
         # micro-batches and processes
@@ -265,9 +265,9 @@ def main(args: Args):
             log(run, {f"train/{k}": v for k, v in metrics.items()}, step)
         if step % args.eval_every == 0 or step == args.steps:
             last_eval = run_eval(step)
-        maybe_checkpoint(args, run, step, model, tokenizer, optimizer, schedule, first_eval)
+        maybe_checkpoint(args, run, step, model, tokenizer, optimizer, schedule)
 
-    finish_run(args, run, model, tokenizer, first_eval, last_eval)
+    finish_run(args, run, model, tokenizer, last_eval)
 
 
 # ======================================================================================================
@@ -299,38 +299,42 @@ from torch.utils.checkpoint import checkpoint as recompute
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
+LOGITS_CHUNK = 2**25  # logits (positions × vocabulary) that lm_head_logprobs holds at once: 128 MiB in fp32
+FULL_STATE = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU, for rank 0
+STAGES = {"models/sft": "sft.py", "models/reward": "reward_model.py"}  # default inputs, made by the stage before
+# flags a resumed run may change; every other flag is the checkpoint's own
+RESUME_FLAGS = "resume output_dir steps save_every keep_checkpoints eval_every track wandb_project wandb_entity".split()
+POSITIVE = "steps grad_accum_steps lr max_grad_norm eval_every eval_size max_new_tokens keep_checkpoints".split()
+NON_NEGATIVE = "warmup_steps seed save_every lora_r lora_alpha".split()
+
 
 # -------------------------------------------------- models: loading, LoRA, the LM head, sampling
 def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info=False, **kwargs):
-    """A model in fp32 (master weights) with every dropout probability in its config at 0. A LoRA adapter
-    directory loads as its base model with the adapter merged in."""
+    """A model in fp32 (master weights), dropout off; a LoRA adapter directory: its base with the adapter merged."""
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         from peft import PeftConfig, PeftModel  # imported only when LoRA is used: it adds seconds to every start
 
         adapter = PeftConfig.from_pretrained(path)
         base = load_model(adapter.base_model_name_or_path, trust_remote_code, cls, **kwargs)
         model = PeftModel.from_pretrained(base, path).merge_and_unload()
-        trained_head = "score" in (adapter.modules_to_save or [])  # a reward model's adapter carries its head
-        return (model, {"missing_keys": [] if trained_head else ["score.weight"]}) if output_loading_info else model
+        missing = [] if "score" in (adapter.modules_to_save or []) else ["score.weight"]  # a reward model's carries it
+        return (model, {"missing_keys": missing}) if output_loading_info else model
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(config, key, 0.0)  # dropout off in every model: log-probs must be deterministic
+            setattr(config, key, 0.0)  # log-probs must be deterministic
     if cls is AutoModelForSequenceClassification and config.pad_token_id is None:
         config.pad_token_id = 0  # its forward refuses batches without one; head_outputs reads every position itself
-    return cls.from_pretrained(
-        path,
-        config=config,
-        dtype=torch.float32,
-        trust_remote_code=trust_remote_code,
-        use_safetensors=True,
-        output_loading_info=output_loading_info,
-    )
+    kwargs = dict(config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
+    return cls.from_pretrained(path, output_loading_info=output_loading_info, **kwargs)
 
 
 @contextlib.contextmanager
 def loading(path: str):
     """Any failure inside stops the run with one line on why the model or tokenizer at `path` cannot be loaded."""
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    if path in STAGES and not {"config.json", "adapter_config.json"} & set(names):  # not the hub's owner/name
+        fail(f"{path} not found: run `python {STAGES[path]}` first (or pass another model)")
     try:
         yield
     except Exception as e:
@@ -338,14 +342,12 @@ def loading(path: str):
             fail(f"cannot load model {path!r}: no such file or directory")
         if not os.path.exists(path):
             fail(f"cannot load model {path!r} from the hub: {common.error_reason(e)}")
-        names = sorted(os.listdir(path)) if os.path.isdir(path) else []
         if os.path.isdir(path) and not {"config.json", "adapter_config.json"} & set(names):
             fail(f"cannot load model {path!r}: it is not a model directory (no config.json)")
         for file in (os.path.join(path, name) for name in names):
             try:  # which file is cut short or corrupt?
                 if file.endswith(".safetensors"):
-                    with safe_open(file, "pt"):
-                        pass
+                    safe_open(file, "pt").__exit__(None, None, None)
                 elif file.endswith(".json"):
                     with open(file) as f:
                         json.load(f)
@@ -355,10 +357,8 @@ def loading(path: str):
 
 
 def add_lora(model, args: Args, task_type: str = "CAUSAL_LM", adapter: str | None = None):
-    """--lora-r > 0: the weights W freeze and low-rank adapters train beside them, W + (α/r)·B·A on
-    --lora-target-modules (B = 0 at first: the model starts unchanged); a reward model or critic (SEQ_CLS) also
-    trains its score head. On resume the adapter comes from `adapter`. With --bf16 the frozen weights are held in
-    bf16, the trainable ones in fp32. --lora-r 0: the model as it is (full fine-tuning)."""
+    """--lora-r > 0: W freezes and W + (α/r)·B·A trains on --lora-target-modules (B = 0: the model starts
+    unchanged), with a SEQ_CLS model's score head; `adapter`: the one resumed. --bf16: the frozen W in bf16."""
     if not args.lora_r:
         return model
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -369,14 +369,8 @@ def add_lora(model, args: Args, task_type: str = "CAUSAL_LM", adapter: str | Non
         model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
     else:
         targets = "all-linear" if args.lora_target_modules == ("all-linear",) else list(args.lora_target_modules)
-        config = LoraConfig(
-            task_type=task_type,
-            r=args.lora_r,
-            lora_alpha=args.lora_alpha,
-            target_modules=targets,
-            lora_dropout=args.lora_dropout,
-        )
-        model = get_peft_model(model, config)
+        lora = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
+        model = get_peft_model(model, LoraConfig(task_type=task_type, **lora))
     for p in model.parameters():
         if not p.requires_grad:
             p.data = p.data.to(torch.bfloat16 if args.bf16 else torch.float32)
@@ -402,27 +396,20 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def forward_logps(model, input_ids, attention_mask, T: int, temperature: float = 1.0, entropy: bool = False):
-    """log π(y_t) [B,T] of the last T tokens at temperature T; the hidden state at t predicts token t+1.
-    entropy=True: also the entropy of each π(·|x, y_<t), a metric without gradient: (log π, H)."""
-    # the body's last hidden states (logits for one position only), then the LM head a chunk at a time
+    """log π(y_t) [B,T] of the last T tokens at temperature T (the hidden state at t predicts token t+1);
+    entropy=True: also the entropy of each π(·|x, y_<t), without gradient."""
+    positions = position_ids(attention_mask)  # logits for one position only: the LM head runs a chunk at a time
     out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids(attention_mask),
-        logits_to_keep=1,
-        output_hidden_states=True,
+        input_ids, attention_mask=attention_mask, position_ids=positions, logits_to_keep=1, output_hidden_states=True
     )
     return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], input_ids[:, -T:], temperature, entropy)
 
 
 def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
-    """A sequence-classification model's scalar head at every position [B, L] (a reward model, a critic). The
-    forward goes through the DDP/FSDP2 wrapper, so that its gradients are synced as the policy's are."""
+    """A sequence-classification model's scalar head at every position [B, L] (a reward model, a critic), the
+    forward through the DDP/FSDP2 wrapper, so that its gradients are synced as the policy's are."""
     out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids(attention_mask),
-        output_hidden_states=True,
+        input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), output_hidden_states=True
     )
     return unwrap(model).score(out.hidden_states[-1]).squeeze(-1).float()
 
@@ -440,13 +427,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-LOGITS_CHUNK = 2**25  # logits (positions × vocabulary) that lm_head_logprobs holds at once: 128 MiB in fp32
-
-
 def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, entropy=False):
-    """token_logprobs(W·h, y, T) for hidden states h [B,T,H] through the LM head W, a few positions at a time,
-    each chunk recomputed in backward: the [B,T,V] logits are never all in memory (with a 150k vocabulary they
-    dwarf the model's activations). entropy=True: also H_t = −Σ_v π(v) log π(v) at T (no gradient)."""
+    """token_logprobs(W·h, y, T) for hidden states h [B,T,H] through the LM head W, a chunk of positions at a
+    time, recomputed in backward: the [B,T,V] logits are never all in memory. entropy: also H_t (no gradient)."""
     head = unwrap(model).get_output_embeddings()
 
     def chunk(h, y):
@@ -457,11 +440,14 @@ def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperat
             logp = (logits.float() / temperature).log_softmax(-1)
         return token_logprobs(logits, y, temperature), -(logp.exp() * logp).sum(-1)
 
-    positions = max(1, LOGITS_CHUNK // head.weight.shape[0])
-    h, y = hidden.flatten(0, 1).split(positions), tokens.flatten().split(positions)
-    out = [recompute(chunk, *hy, use_reentrant=False) for hy in zip(h, y)]
-    parts = [torch.cat(part).view_as(tokens) for part in (zip(*out) if entropy else [out])]
-    return tuple(parts) if entropy else parts[0]
+    n = max(1, LOGITS_CHUNK // head.weight.shape[0])  # positions a chunk
+    out = [
+        recompute(chunk, h, y, use_reentrant=False)
+        for h, y in zip(hidden.flatten(0, 1).split(n), tokens.flatten().split(n))
+    ]
+    if not entropy:
+        return torch.cat(out).view_as(tokens)
+    return tuple(torch.cat(part).view_as(tokens) for part in zip(*out))
 
 
 @torch.no_grad()
@@ -469,9 +455,8 @@ def generate_exactly(
     model, prompt_ids, prompt_mask, tokenizer, eos_ids, max_new_tokens, temperature=0.0, static_cache=False, n=1
 ) -> torch.Tensor:
     """[prompt | completion] ids: n completions of each left-padded prompt from exactly softmax(logits / T), the
-    π_θ of every log-prob here (greedy at T = 0), each ending at its first EOS (any of eos_ids). The model's own
-    generation_config (top_k, top_p, repetition_penalty, … on hub chat models) is set aside for the call, as
-    generate() merges it into any request. static_cache: a preallocated KV cache (compiled on CUDA)."""
+    π_θ of every log-prob here (greedy at T = 0), each ending at its first EOS. The model's generation_config
+    (top_k, top_p, … on hub chat models) is set aside for the call. static_cache: a preallocated KV cache."""
     sharded = isinstance(model, FSDPModule)  # FSDP2: every process must run each decoding step (synced_gpus)
     model = unwrap(model)  # LoRA: generate() reads the inner model's generation_config
     config = GenerationConfig(do_sample=temperature > 0, max_new_tokens=max_new_tokens, num_return_sequences=n)
@@ -488,11 +473,8 @@ def generate_exactly(
 
 # -------------------------------------------------- the run: start, steps, checkpoints, the end
 def start_run(args: Args, script: str) -> SimpleNamespace:
-    """What every run does before the method: --resume finds its checkpoint (and the run's flags), the flags
-    left at None take their DEFAULTS, bad flags stop the run with one line, seeds are set, torchrun's processes
-    join. Returns `run`: rank, world, device, the checkpoint and its state (None on a fresh run), and what the
-    loop keeps (the last checkpoint, stop signals, the metrics file, wandb)."""
-    # every metrics row carries the wall time since t_start
+    """--resume's checkpoint and flags found, DEFAULTS filled in, flags checked, seeds set, torchrun's processes
+    joined. Returns `run`: rank, world, device, the checkpoint and its state (None: a fresh run), the logs."""
     run = SimpleNamespace(script=script, t_start=time.time(), stop=[], metrics_file=None, wandb=None, rank=0, world=1)
     # peft reads transformers' deprecated is_gradient_checkpointing at every LoRA model: peft's warning, not the user's
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
@@ -515,16 +497,15 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
         run.rank, run.world = dist.get_rank(), dist.get_world_size()
     if run.rank:  # only the first process prints, logs and saves
         sys.stdout = open(os.devnull, "w")
-    run.name = run.state["run_name"] if run.state else args.run_name or f"{script}__{args.seed}__{int(time.time())}"
-    run.shown = run.state["shown"] if run.state else None  # the held-out samples printed at each evaluation
+    saved = run.state or dict(run_name=args.run_name or f"{script}__{args.seed}__{int(time.time())}", wandb_id=None)
+    run.name, run.wandb_id = saved["run_name"], saved["wandb_id"]
+    run.first_eval, run.shown = saved.get("first_eval"), saved.get("shown")  # shown: the samples each eval prints
     return run
 
 
 def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule, n_rows: int, step_rows: int):
-    """Opens the metrics file (and wandb with --track); on --resume puts back the optimiser, the schedule, the
-    data position and each process's RNG; from here on a signal finishes the step, saves a checkpoint and exits
-    0. Returns the batches (endless: `step_rows` row indices a step, a new shuffle each epoch, the same in every
-    process) and the steps left to run, as a progress bar."""
+    """The logs open, --resume puts back the optimiser, schedule, data position and RNG, signals now stop the run
+    at the step's end. Returns the endless batches of `step_rows` row indices, and the steps left as a progress bar."""
     if n_rows < step_rows:
         fail(f"{n_rows} training rows are fewer than one step takes ({step_rows}, over all processes)")
     batches = common.shuffled_batches(n_rows, step_rows, args.seed)
@@ -532,39 +513,28 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
-        dcp.set_optimizer_state_dict(
-            model, optimizer, run.state["optimizer"], options=dcp.StateDictOptions(full_state_dict=True)
-        )
+        dcp.set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=FULL_STATE)
         schedule.load_state_dict(run.state["schedule"])
         for _ in range(step):
             next(batches)
         rng = run.state["rng"][run.rank]
         torch.set_rng_state(rng["torch"])
-        if rng["cuda"]:
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        torch.cuda.set_rng_state_all(rng["cuda"])  # [] on the CPU
         random.setstate(rng["python"])
         print(f"resuming from {run.checkpoint} (step {step})")
     if run.rank == 0:  # runs/<name>/: the flags as resolved, and metrics.jsonl without the rows after the checkpoint
-        path = f"runs/{run.name}/metrics.jsonl"
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.makedirs(f"runs/{run.name}", exist_ok=True)
         with open(f"runs/{run.name}/args.json", "w") as f:
             json.dump(asdict(args), f, indent=1)
+        path = f"runs/{run.name}/metrics.jsonl"
         rows = open(path).read().splitlines() if run.state and os.path.exists(path) else []
-        with open(path, "w") as f:
-            f.writelines(r + "\n" for r in rows if r.endswith("}") and json.loads(r)["step"] <= step)
-        run.metrics_file = open(path, "a")
+        run.metrics_file = open(path, "w")
+        run.metrics_file.writelines(r + "\n" for r in rows if r.endswith("}") and json.loads(r)["step"] <= step)
     if args.track and run.rank == 0:
         import wandb
 
-        wandb_id = run.state["wandb_id"] if run.state else None
-        run.wandb = wandb.init(
-            project=args.wandb_project,
-            entity=args.wandb_entity,
-            name=run.name,
-            config=asdict(args),
-            id=wandb_id,
-            resume="allow",
-        )
+        where = dict(project=args.wandb_project, entity=args.wandb_entity, id=run.wandb_id, resume="allow")
+        run.wandb = wandb.init(name=run.name, config=asdict(args), **where)
 
     def on_signal(signum, frame):  # finish the step, checkpoint, exit 0; a second signal stops at once
         run.stop.append(signal.Signals(signum).name)
@@ -574,10 +544,8 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
         signal.signal(sig, on_signal)
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    precision = "bf16 autocast" if args.bf16 else "fp32"
-    print(
-        f"model: {total / 1e6:.2f}M parameters ({100 * trained / total:.2f}% trained) on {run.device} × {run.world}, {precision}"
-    )
+    where = f"on {run.device} × {run.world}, {'bf16 autocast' if args.bf16 else 'fp32'}"
+    print(f"model: {total / 1e6:.2f}M parameters ({100 * trained / total:.2f}% trained) {where}")
     if not run.state:
         log(run, {"train/trainable_parameters": trained, "train/parameters": total}, 0)
     bar = tqdm(range(step + 1, args.steps + 1), desc=run.script, dynamic_ncols=True, disable=run.rank > 0 or None)
@@ -622,18 +590,14 @@ def log(run: SimpleNamespace, metrics: dict, step: int, samples: list[dict] | No
         import wandb
 
         if samples:
-            metrics = {
-                **metrics,
-                "samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples]),
-            }
+            metrics = {**metrics, "samples": wandb.Table(columns=[*samples[0]], data=[[*s.values()] for s in samples])}
         run.wandb.log(metrics, step=step)
 
 
 def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]) -> dict:
-    """Held-out metrics and a few held-out samples, the same prompts at every evaluation (picked at the first:
-    see common.shown_samples): logged, and printed above the progress bar."""
-    if run.shown is None:
-        run.shown = common.shown_samples(samples)
+    """Held-out metrics and a few samples (the same prompts each time: common.shown_samples), logged and printed."""
+    run.shown = run.shown or common.shown_samples(samples)
+    run.first_eval = run.first_eval or metrics
     samples = [{**samples[i], "verdict": common.describe(samples[i])} for i in run.shown]
     log(run, metrics, step, samples)
     for sample in samples:
@@ -643,34 +607,27 @@ def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]
 
 
 def optimizer_step(args: Args, run: SimpleNamespace, step: int, models: list, optimizer) -> float:
-    """Clips each model's gradient norm to --max-grad-norm and steps. A NaN/inf norm (the same in every process:
-    the gradients are synced) stops the run, naming the last good checkpoint. Returns the norm (summed)."""
+    """Clips each model's gradient norm to --max-grad-norm and steps; a NaN/inf norm (synced: the same in every
+    process) stops the run, naming the last good checkpoint. Returns the norm (summed)."""
     norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), args.max_grad_norm) for m in models]
     grad_norm = sum(n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms).item()  # FSDP2: DTensors
     if not math.isfinite(grad_norm):
+        last = run.last_checkpoint or "none"
         sys.exit(
-            f"error: non-finite gradient norm ({grad_norm}) at step {step}; last good checkpoint: "
-            f"{run.last_checkpoint or 'none'}. Lower --lr"
+            f"error: non-finite gradient norm ({grad_norm}) at step {step}; last good checkpoint: {last}. Lower --lr"
         )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
 
-def maybe_checkpoint(args: Args, run, step: int, model, tokenizer, optimizer, schedule, first_eval: dict, extra=dict):
-    """A checkpoint every --save-every steps, and when any process got a stop signal: then the run exits 0.
-    `extra()`: what else this script's checkpoints hold (called in every process, only when saving)."""
+def maybe_checkpoint(args: Args, run, step: int, model, tokenizer, optimizer, schedule, extra=dict):
+    """A checkpoint every --save-every steps and on a stop signal to any process (then exit 0), holding `extra()`."""
     stopping = over_processes({"stop": float(bool(run.stop))}, run.device, "max")["stop"]  # one signalled: all stop
     if (args.save_every and step % args.save_every == 0) or stopping:
         wandb_id = run.wandb.id if run.wandb else None
-        state = dict(
-            schedule=schedule.state_dict(),
-            run_name=run.name,
-            first_eval=first_eval,
-            shown=run.shown,
-            wandb_id=wandb_id,
-            **extra(),
-        )
+        state = dict(run_name=run.name, wandb_id=wandb_id, first_eval=run.first_eval, shown=run.shown, **extra())
+        state["schedule"] = schedule.state_dict()
         run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, state)
     if stopping:
         signal_name = run.stop[0] if run.stop else "a signal to another process"
@@ -678,10 +635,10 @@ def maybe_checkpoint(args: Args, run, step: int, model, tokenizer, optimizer, sc
         sys.exit(0)
 
 
-def finish_run(args: Args, run: SimpleNamespace, model, tokenizer, first_eval: dict, last_eval: dict):
+def finish_run(args: Args, run: SimpleNamespace, model, tokenizer, last_eval: dict):
     """Saves the trained model in output_dir, prints the held-out metrics before → after, closes the logs."""
     save_final_model(model, tokenizer, args)
-    changes = ", ".join(f"{k} {first_eval[k]:.4f} → {last_eval[k]:.4f}" for k in last_eval)
+    changes = ", ".join(f"{k} {run.first_eval[k]:.4f} → {last_eval[k]:.4f}" for k in last_eval)
     print(f"held-out {changes}; saved to {args.output_dir}")
     if run.metrics_file:
         run.metrics_file.close()
@@ -691,8 +648,7 @@ def finish_run(args: Args, run: SimpleNamespace, model, tokenizer, first_eval: d
 
 # -------------------------------------------------- torchrun: DDP or FSDP2, values over processes
 def wrap(model, args: Args, device):
-    """DDP (every process holds the model; gradients are averaged), or with --fsdp FSDP2 (each decoder layer's
-    parameters, gradients and optimiser state sharded across processes). One process: as it is."""
+    """Under torchrun DDP (gradients averaged), or with --fsdp FSDP2 (each decoder layer sharded); else as it is."""
     if not dist.is_initialized():
         return model
     if args.fsdp:
@@ -722,9 +678,6 @@ def gather_lists(items: list) -> list:
 
 
 # -------------------------------------------------- saving: checkpoints, resume, the final model
-FULL_STATE = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU, for rank 0
-
-
 def save_model(model, tokenizer, path: str, args: Args):
     """A plain transformers directory, written by rank 0 (under FSDP2 every process helps gather the weights)."""
     weights = None
@@ -739,9 +692,8 @@ def save_model(model, tokenizer, path: str, args: Args):
 
 
 def save_final_model(model, tokenizer, args: Args):
-    """The trained model in output_dir, written to output_dir/final.tmp then moved over the previous model's
-    files, so a failed write (disk full) leaves the previous model whole. With LoRA: the adapter, or with
-    --merge-lora the merged full weights (and the adapter in output_dir/adapter)."""
+    """The model (LoRA: the adapter; --merge-lora: merged, the adapter in adapter/) written to output_dir/final.tmp,
+    then moved over the previous model's files: a failed write (disk full) leaves the previous model whole."""
     tmp, main_process = os.path.join(args.output_dir, "final.tmp"), not dist.is_initialized() or dist.get_rank() == 0
     try:
         if main_process:
@@ -772,11 +724,12 @@ def checkpoints(output_dir: str) -> list[str]:
 
 
 def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: dict) -> str:
-    """output_dir/checkpoint-<step>/: the model + tokenizer, loadable as they are (a ModuleDict: its first model
-    there, the others in subdirectories), and trainer_state.pt (optimiser, schedule, each process's RNG states,
-    step, args). Written to checkpoint-<step>.tmp and renamed, so a kill at any moment leaves the previous whole."""
-    path = os.path.join(args.output_dir, f"checkpoint-{step}")
-    main_process = not dist.is_initialized() or dist.get_rank() == 0
+    """output_dir/checkpoint-<step>/: the models, loadable (a ModuleDict's others in subdirectories), and
+    trainer_state.pt; written to a .tmp directory and renamed, so a kill at any moment leaves the previous whole."""
+    path, main_process = (
+        os.path.join(args.output_dir, f"checkpoint-{step}"),
+        not dist.is_initialized() or dist.get_rank() == 0,
+    )
     models = list(model.items()) if isinstance(model, torch.nn.ModuleDict) else [("", model)]
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     rngs = gather_lists([{"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": cuda}])
@@ -802,16 +755,12 @@ def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: d
     return path
 
 
-# flags a resumed run may change; every other flag is the checkpoint's own
-RESUME_FLAGS = "resume output_dir steps save_every keep_checkpoints eval_every track wandb_project wandb_entity".split()
-
-
 def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
     """--resume: the given checkpoint directory, or `latest` in output_dir (none yet: start afresh). The run's
     flags come from the checkpoint, except RESUME_FLAGS; a run that already reached --steps stops here."""
     path = args.resume
     if path == "latest":
-        path = (checkpoints(args.output_dir) or [None])[-1]
+        path = checkpoints(args.output_dir)[-1] if checkpoints(args.output_dir) else None
         if path is None:
             print(f"note: no checkpoint in {args.output_dir} yet; starting from scratch")
     if path is None:
@@ -838,23 +787,9 @@ def load_checkpoint(args: Args) -> tuple[str | None, dict | None]:
     return path, state
 
 
-def check_stage_input(path: str, default: str, script: str, flag: str):
-    """A stage's default input (models/sft, models/reward) exists only once the stage before has run."""
-    names = os.listdir(path) if os.path.isdir(path) else []
-    if path == default and not {"config.json", "adapter_config.json"} & set(names):
-        fail(f"{path} not found: run `python {script}` first (or pass {flag})")
-
-
 # -------------------------------------------------- flags and user errors
-POSITIVE = (
-    "steps grad_accum_steps lr max_grad_norm eval_every eval_size max_new_tokens keep_checkpoints lora_alpha".split()
-)
-NON_NEGATIVE = "warmup_steps seed save_every lora_r".split()
-
-
 def check_args(args: Args):
-    """Flag values that would go silently wrong stop the run before any work, with one line: the flags every
-    script has, then the method's (METHOD_POSITIVE, METHOD_NON_NEGATIVE, method_rules' combinations)."""
+    """Flag values that would go silently wrong (every script's, then the method's) stop the run with one line."""
     for name in POSITIVE + NON_NEGATIVE + METHOD_POSITIVE + METHOD_NON_NEGATIVE:
         value, positive = getattr(args, name), name in POSITIVE + METHOD_POSITIVE
         if not math.isfinite(value) or value < 0 or (value == 0 and positive):
@@ -862,14 +797,8 @@ def check_args(args: Args):
     lora = args.lora_r > 0
     for broken, message in [
         (not 0 <= args.lora_dropout < 1, f"--lora-dropout must be in [0, 1) (got {args.lora_dropout})"),
-        (
-            lora and args.fsdp,
-            "--lora-r with --fsdp is not supported: under torchrun, LoRA trains with DDP (drop --fsdp)",
-        ),
-        (
-            lora and not args.model,
-            "--lora-r trains adapters on a pretrained model: pass --model (the tiny model trains in full)",
-        ),
+        (lora and args.fsdp, "--lora-r with --fsdp is not supported: under torchrun, LoRA trains with DDP"),
+        (lora and not args.model, "--lora-r trains adapters on a pretrained model: pass --model"),
         (
             lora and args.model and os.path.abspath(args.output_dir) == os.path.abspath(args.model),
             f"--output-dir {args.output_dir} is the model being adapted, which its adapter needs; pass another",
@@ -881,8 +810,7 @@ def check_args(args: Args):
 
 
 def resolve_defaults(args: Args):
-    """The flags left at None take their DEFAULTS value: the built-in task's when the run is the built-in task
-    (its dataset and tiny model), else the pretrained set's. Prints which set the run uses."""
+    """Flags left at None take DEFAULTS' value for the built-in task (its data and tiny model) or a pretrained model."""
     builtin = args.dataset == "arithmetic" and common.is_builtin_model(args.model)
     taken = []
     for name, values in DEFAULTS.items():
@@ -900,8 +828,7 @@ def fail(message: str):
 
 
 def write_failed(path: str, e: Exception, output_dir: str):
-    """A write that failed (disk full, permissions): its partial directory is removed and the run stops with one
-    line naming the last complete checkpoint; files written before are untouched."""
+    """A failed write (disk full): its partial directory goes, and one line names the last complete checkpoint."""
     shutil.rmtree(path, ignore_errors=True)
     last = (checkpoints(output_dir) or ["none"])[-1]
     sys.exit(
