@@ -463,6 +463,9 @@ def main(args: Args):
     for _ in range(run.extra_batches):
         next(batches)
 
+    def extra_state() -> dict:  # what GRPO's checkpoints hold besides the usual
+        return {"extra_batches": run.extra_batches}
+
     def run_eval(step: int) -> dict:
         metrics, samples = evaluate(
             policy, tokenizer, eos_ids, eval_rows, reward_model, rm_tokenizer, args, run.device, autocast
@@ -563,16 +566,7 @@ def main(args: Args):
         progress.set_postfix(reward=f"{metrics['train/reward']:.3f}", kl=f"{metrics['train/kl']:.4f}")
         if step % args.eval_every == 0 or step == args.steps:
             last_eval = run_eval(step)
-        maybe_checkpoint(
-            args,
-            run,
-            step,
-            policy,
-            tokenizer,
-            optimizer,
-            schedule,
-            lambda: {"extra_batches": run.extra_batches},
-        )
+        maybe_checkpoint(args, run, step, policy, tokenizer, optimizer, schedule, extra_state)
 
     finish_run(args, run, policy, tokenizer, last_eval)
 
@@ -654,7 +648,7 @@ def loading(path: str):
         for file in (os.path.join(path, name) for name in names):
             try:  # which file is cut short or corrupt?
                 if file.endswith(".safetensors"):
-                    safe_open(file, "pt").__exit__(None, None, None)
+                    safe_open(file, "pt")  # reads the header
                 elif file.endswith(".json"):
                     with open(file) as f:
                         json.load(f)
