@@ -8,7 +8,11 @@
    the sample it scores highest is right, against a random sample and against "at least one is right".
    A reward model whose favourite is right less often than a random sample pulls PPO away from the answers.
 
-    python benchmarks/reward_probe.py            # after sft.py and reward_model.py
+With --dpo-policy the same two measurements probe DPO's implicit reward log π_θ(y|x) − log π_ref(y|x) (β, which
+scales every pair alike, left out) of a dpo.py policy π_θ against its reference π_ref = --policy.
+
+    python benchmarks/reward_probe.py                              # after sft.py and reward_model.py
+    python benchmarks/reward_probe.py --dpo-policy models/dpo      # after sft.py and dpo.py
 """
 
 import os
@@ -26,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 from benchmarks.results import write_section  # noqa: E402
+from dpo import sequence_logps  # noqa: E402
 from reward_model import reward_scores  # noqa: E402
 
 
@@ -35,6 +40,8 @@ class Args:
     """the policy whose samples the reward model has to rank (PPO's starting point)"""
     reward_model: str = "models/reward"
     """the reward model to probe"""
+    dpo_policy: str | None = None
+    """probe this DPO policy's implicit reward instead (its reference: --policy)"""
     n: int = 8
     """samples per held-out prompt for best-of-n"""
     temperature: float = 0.7
@@ -83,7 +90,8 @@ WRONG = {  # kind → (a, b, rng) → a wrong sum, or None where the kind does n
 
 
 def scores(reward, tokenizer, prompts: list[str], completions: list[str]) -> torch.Tensor:
-    """r_ϕ(x, y) for each (prompt, completion + EOS), as reward_model.py trains and reads it, 256 at a time."""
+    """The reward of each (prompt, completion + EOS), 256 at a time: r_ϕ(x, y) as reward_model.py trains and reads
+    it, or for `reward` = (π_θ, π_ref) DPO's implicit reward log π_θ(y|x) − log π_ref(y|x)."""
     out = []
     for i in range(0, len(prompts), 256):
         batch = common.collate(
@@ -91,7 +99,10 @@ def scores(reward, tokenizer, prompts: list[str], completions: list[str]) -> tor
             common.tokenize(tokenizer, completions[i : i + 256], add_eos=True),
             tokenizer.pad_token_id,
         )
-        out.append(reward_scores(reward, batch["input_ids"], batch["attention_mask"]))
+        if isinstance(reward, tuple):
+            out.append(sequence_logps(reward[0], batch) - sequence_logps(reward[1], batch))
+        else:
+            out.append(reward_scores(reward, batch["input_ids"], batch["attention_mask"]))
     return torch.cat(out)
 
 
@@ -114,7 +125,7 @@ def pairwise_by_kind(reward, tokenizer, rows: list[dict], own_wrong: dict, seed:
         if row["prompt"] in own_wrong:
             pairs["the SFT model's own wrong samples"].append((row["prompt"], row["answer"], own_wrong[row["prompt"]]))
     out = {}
-    for kind, kind_pairs in pairs.items():
+    for kind, kind_pairs in ((k, v) for k, v in pairs.items() if v):
         prompts, chosen, rejected = zip(*kind_pairs)
         right = scores(reward, tokenizer, prompts, chosen) > scores(reward, tokenizer, prompts, rejected)
         out[kind] = (int(right.sum()), len(kind_pairs))
@@ -157,15 +168,19 @@ def best_of_n(policy, reward, tokenizer, rows: list[dict], n: int, temperature: 
 def main(args: Args):
     tokenizer = common.load_tokenizer(args.policy)
     policy = AutoModelForCausalLM.from_pretrained(args.policy).eval()
-    reward = AutoModelForSequenceClassification.from_pretrained(args.reward_model).eval()
+    if args.dpo_policy:
+        reward = (AutoModelForCausalLM.from_pretrained(args.dpo_policy).eval(), policy)
+    else:
+        reward = AutoModelForSequenceClassification.from_pretrained(args.reward_model).eval()
     rows = common.arithmetic_rows("test", "prompt")[: args.eval_size]
     picks, own_wrong = best_of_n(policy, reward, tokenizer, rows, args.n, args.temperature, args.seed)
     by_kind = pairwise_by_kind(reward, tokenizer, rows, own_wrong, args.seed)
+    probed = f"--dpo-policy {args.dpo_policy}" if args.dpo_policy else f"--reward-model {args.reward_model}"
     lines = [
         f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores (torch {torch.__version__}): "
-        f"`python benchmarks/reward_probe.py --reward-model {args.reward_model} --policy {args.policy}` "
-        f"({args.eval_size} held-out prompts, sampling seed {args.seed}; the models as `python sft.py` and "
-        "`python reward_model.py` make them with their defaults when these are the paths).",
+        f"`python benchmarks/reward_probe.py {probed} --policy {args.policy}` ({args.eval_size} held-out prompts, "
+        f"sampling seed {args.seed}; the models as `python sft.py` and `python {'dpo' if args.dpo_policy else 'reward_model'}.py` "
+        "make them with their defaults when these are the paths).",
         "",
         "| held-out pairs: the right sum vs ... | pairs | ranked right |",
         "|---|---|---|",
@@ -177,7 +192,9 @@ def main(args: Args):
     ]
     text = "\n".join(lines)
     print(text)
-    if args.write_results:
+    if args.write_results and args.dpo_policy:
+        write_section("implicit_reward_probe", "## What DPO's implicit reward can see (`reward_probe.py`)\n\n" + text)
+    elif args.write_results:
         write_section("reward_probe", "## What the reward model can see (`reward_probe.py`)\n\n" + text)
 
 
