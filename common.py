@@ -298,10 +298,13 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
-    if get_tokenizer_config(path).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        if get_tokenizer_config(path).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise load_error(path, e) from None
     if tokenizer.pad_token is None:  # masks come from lengths and positions, never from the pad id: EOS is safe
         tokenizer.pad_token = tokenizer.eos_token
         print(f"note: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token!r})")
@@ -343,6 +346,31 @@ def _common_prefix(a, b):
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return a[:n]
+
+
+def load_error(path: str, e: Exception) -> DataError:
+    """Why the model or tokenizer at `path` failed to load, in one line: no such path, not a model directory, a
+    hub id that cannot be fetched, which of its files is cut short or corrupt, or else the library's reason."""
+    where = f"cannot load model {path!r}"
+    if not os.path.exists(path) and (path.startswith((".", "/", "~")) or path.count("/") != 1):  # not owner/name
+        return DataError(f"{where}: no such file or directory")
+    if not os.path.exists(path):
+        return DataError(f"{where} from the hub: {error_reason(e)}")
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    if os.path.isdir(path) and not {"config.json", "adapter_config.json"} & set(names):
+        return DataError(f"{where}: it is not a model directory (no config.json)")
+    for file in (os.path.join(path, name) for name in names):
+        try:  # which file is cut short or corrupt?
+            if file.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                safe_open(file, "pt")  # reads the header
+            elif file.endswith(".json"):
+                with open(file) as f:
+                    json.load(f)
+        except Exception as bad:
+            return DataError(f"{where}: {file} is corrupt or cut short ({error_reason(bad)})")
+    return DataError(f"{where}: {error_reason(e)}")
 
 
 def error_reason(e: BaseException) -> str:

@@ -169,11 +169,9 @@ def load_models(args: Args, run):
         model = tiny_model(tokenizer, args)
     else:
         path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
-        with loading(path):
-            tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
-            model = load_model(path, args.trust_remote_code)
-        with loading(run.checkpoint or path):
-            model = add_lora(model, args, adapter=run.checkpoint)
+        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+        model = load_model(path, args.trust_remote_code)
+        model = add_lora(model, args, adapter=run.checkpoint)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return tokenizer, model.to(run.device).train()
@@ -291,7 +289,6 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 import tyro
-from safetensors import safe_open
 from torch.distributed.checkpoint import state_dict as dcp
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -310,50 +307,29 @@ NON_NEGATIVE = "warmup_steps seed save_every lora_r lora_alpha".split()
 
 # -------------------------------------------------- models: loading, LoRA, the LM head, sampling
 def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, output_loading_info=False, **kwargs):
-    """A model in fp32 (master weights), dropout off; a LoRA adapter directory: its base with the adapter merged."""
-    if os.path.isfile(os.path.join(path, "adapter_config.json")):
-        from peft import PeftConfig, PeftModel  # imported only when LoRA is used: it adds seconds to every start
-
-        adapter = PeftConfig.from_pretrained(path)
-        base = load_model(adapter.base_model_name_or_path, trust_remote_code, cls, **kwargs)
-        model = PeftModel.from_pretrained(base, path).merge_and_unload()
-        missing = [] if "score" in (adapter.modules_to_save or []) else ["score.weight"]  # a reward model's carries it
-        return (model, {"missing_keys": missing}) if output_loading_info else model
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
-    for key, value in config.to_dict().items():
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(config, key, 0.0)  # log-probs must be deterministic
-    if cls is AutoModelForSequenceClassification and config.pad_token_id is None:
-        config.pad_token_id = 0  # its forward refuses batches without one; head_outputs reads every position itself
-    kwargs = dict(config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
-    return cls.from_pretrained(path, output_loading_info=output_loading_info, **kwargs)
-
-
-@contextlib.contextmanager
-def loading(path: str):
-    """Any failure inside stops the run with one line on why the model or tokenizer at `path` cannot be loaded."""
-    names = sorted(os.listdir(path)) if os.path.isdir(path) else []
-    if path in STAGES and not {"config.json", "adapter_config.json"} & set(names):  # not the hub's owner/name
-        fail(f"{path} not found: run `python {STAGES[path]}` first (or pass another model)")
+    """A model in fp32 (master weights), dropout off; a LoRA adapter directory: its base with the adapter merged.
+    A failure raises common.DataError, one line on why (the user error __main__ reports)."""
     try:
-        yield
+        if os.path.isfile(os.path.join(path, "adapter_config.json")):
+            from peft import PeftConfig, PeftModel  # imported only when LoRA is used: it adds seconds to every start
+
+            adapter = PeftConfig.from_pretrained(path)
+            base = load_model(adapter.base_model_name_or_path, trust_remote_code, cls, **kwargs)
+            model = PeftModel.from_pretrained(base, path).merge_and_unload()
+            missing = [] if "score" in (adapter.modules_to_save or []) else ["score.weight"]  # a reward model's has it
+            return (model, {"missing_keys": missing}) if output_loading_info else model
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+        for key, value in config.to_dict().items():
+            if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+                setattr(config, key, 0.0)  # log-probs must be deterministic
+        if cls is AutoModelForSequenceClassification and config.pad_token_id is None:
+            config.pad_token_id = 0  # its forward refuses batches without one; head_outputs reads every position
+        kwargs = dict(config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
+        return cls.from_pretrained(path, output_loading_info=output_loading_info, **kwargs)
+    except common.DataError:
+        raise  # the base model's, said already
     except Exception as e:
-        if not os.path.exists(path) and (path.startswith((".", "/", "~")) or path.count("/") != 1):  # not owner/name
-            fail(f"cannot load model {path!r}: no such file or directory")
-        if not os.path.exists(path):
-            fail(f"cannot load model {path!r} from the hub: {common.error_reason(e)}")
-        if os.path.isdir(path) and not {"config.json", "adapter_config.json"} & set(names):
-            fail(f"cannot load model {path!r}: it is not a model directory (no config.json)")
-        for file in (os.path.join(path, name) for name in names):
-            try:  # which file is cut short or corrupt?
-                if file.endswith(".safetensors"):
-                    safe_open(file, "pt")  # reads the header
-                elif file.endswith(".json"):
-                    with open(file) as f:
-                        json.load(f)
-            except Exception as bad:
-                fail(f"cannot load model {path!r}: {file} is corrupt or cut short ({common.error_reason(bad)})")
-        fail(f"cannot load model {path!r}: {common.error_reason(e)}")
+        raise common.load_error(path, e) from None
 
 
 def add_lora(model, args: Args, task_type: str = "CAUSAL_LM", adapter: str | None = None):
@@ -366,11 +342,17 @@ def add_lora(model, args: Args, task_type: str = "CAUSAL_LM", adapter: str | Non
     if os.path.isdir(model.name_or_path):  # the adapter names its base model: an absolute path loads from anywhere
         model.name_or_path = os.path.abspath(model.name_or_path)
     if adapter:
-        model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+        try:
+            model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+        except Exception as e:
+            raise common.load_error(adapter, e) from None
     else:
         targets = "all-linear" if args.lora_target_modules == ("all-linear",) else list(args.lora_target_modules)
         lora = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
-        model = get_peft_model(model, LoraConfig(task_type=task_type, **lora))
+        try:
+            model = get_peft_model(model, LoraConfig(task_type=task_type, **lora))
+        except ValueError as e:  # e.g. no module of that name
+            raise common.DataError(f"--lora-target-modules: {common.error_reason(e)}") from None
     for p in model.parameters():
         if not p.requires_grad:
             p.data = p.data.to(torch.bfloat16 if args.bf16 else torch.float32)
@@ -482,6 +464,9 @@ def start_run(args: Args, script: str) -> SimpleNamespace:
     run.last_checkpoint = run.checkpoint
     resolve_defaults(args)
     check_args(args)
+    for path in {args.model, getattr(args, "reward_model", None)} & set(STAGES):  # the stage before not run yet?
+        if not any(os.path.isfile(os.path.join(path, name)) for name in ("config.json", "adapter_config.json")):
+            fail(f"{path} not found: run `python {STAGES[path]}` first (or pass another model)")
     try:
         os.makedirs(args.output_dir, exist_ok=True)
     except OSError as e:
