@@ -251,16 +251,11 @@ METHOD_NON_NEGATIVE = "rpo_alpha".split()
 
 def method_rules(args: Args) -> list[tuple[bool, str]]:
     """(broken, message): flag combinations that cannot work."""
+    smoothing, loss, k = args.label_smoothing, args.loss_type, args.sample_pairs
     return [
-        (not 0 <= args.label_smoothing < 0.5, f"--label-smoothing must be in [0, 0.5) (got {args.label_smoothing})"),
-        (
-            args.label_smoothing and args.loss_type != "sigmoid",
-            f"--label-smoothing applies to --loss-type sigmoid only (got --loss-type {args.loss_type})",
-        ),
-        (
-            args.sample_pairs == 1 or args.sample_pairs < 0,
-            f"--sample-pairs must be 0 (the fixed pairs) or at least 2 samples per prompt (got {args.sample_pairs})",
-        ),
+        (not 0 <= smoothing < 0.5, f"--label-smoothing must be in [0, 0.5) (got {smoothing})"),
+        (smoothing and loss != "sigmoid", f"--label-smoothing applies to --loss-type sigmoid only, not {loss}"),
+        (k == 1 or k < 0, f"--sample-pairs must be 0 (the fixed pairs) or at least 2 samples per prompt (got {k})"),
     ]
 
 
@@ -829,10 +824,8 @@ def checkpoints(output_dir: str) -> list[str]:
 def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: dict) -> str:
     """output_dir/checkpoint-<step>/: the models, loadable (a ModuleDict's others in subdirectories), and
     trainer_state.pt; written to a .tmp directory and renamed, so a kill at any moment leaves the previous whole."""
-    path, main_process = (
-        os.path.join(args.output_dir, f"checkpoint-{step}"),
-        not dist.is_initialized() or dist.get_rank() == 0,
-    )
+    path = os.path.join(args.output_dir, f"checkpoint-{step}")
+    main_process = not dist.is_initialized() or dist.get_rank() == 0
     models = list(model.items()) if isinstance(model, torch.nn.ModuleDict) else [("", model)]
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     rngs = gather_lists([{"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": cuda}])

@@ -285,12 +285,7 @@ def sample_groups(policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, 
         rewards = score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokenizer, args)
     policy.train()
     completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
-    return {
-        "prompts": prompts,
-        "completions": completions,
-        "ended": ended.tolist(),
-        "rewards": rewards.tolist(),
-    }
+    return {"prompts": prompts, "completions": completions, "ended": ended.tolist(), "rewards": rewards.tolist()}
 
 
 def sample_step(policy, tokenizer, eos_ids, train_rows, batches, reward_model, rm_tokenizer, args: Args, run, autocast):
@@ -386,17 +381,11 @@ METHOD_NON_NEGATIVE = "beta format_reward".split()
 
 def method_rules(args: Args) -> list[tuple[bool, str]]:
     """(broken, message): flag combinations that cannot work."""
-    high = args.clip_eps_high
+    N, G, accum, high = args.prompts_per_step, args.group_size, args.grad_accum_steps, args.clip_eps_high
     return [
         (high is not None and not high >= 0, f"--clip-eps-high must be 0 or positive (got {high})"),
-        (
-            args.group_size < 2,
-            f"--group-size must be at least 2: a group of one has no baseline (got {args.group_size})",
-        ),
-        (
-            args.grad_accum_steps > args.prompts_per_step * args.group_size,
-            f"--grad-accum-steps ({args.grad_accum_steps}) must be at most --prompts-per-step × --group-size",
-        ),
+        (G < 2, f"--group-size must be at least 2: a group of one has no baseline (got {G})"),
+        (accum > N * G, f"--grad-accum-steps ({accum}) must be at most --prompts-per-step × --group-size ({N * G})"),
         (
             args.format_reward and args.reward_model,
             "--format-reward adds to the rule-based reward only: drop it or --reward-model",
@@ -470,13 +459,9 @@ def main(args: Args):
 
     last_eval = run.first_eval or run_eval(0)
     G = args.group_size
-    objective = dict(
-        clip_eps=args.clip_eps,
-        clip_eps_high=args.clip_eps_high,
-        importance_sampling_level=args.importance_sampling_level,
-        beta=args.beta,
-        loss_type=args.loss_type,
-        max_completion_length=args.max_new_tokens,
+    objective = dict(clip_eps=args.clip_eps, clip_eps_high=args.clip_eps_high, beta=args.beta, loss_type=args.loss_type)
+    objective |= dict(
+        importance_sampling_level=args.importance_sampling_level, max_completion_length=args.max_new_tokens
     )
     for step in progress:
         # 1. sample G completions for each of this process's N prompts from π_θold (the current policy) and
@@ -1010,10 +995,8 @@ def checkpoints(output_dir: str) -> list[str]:
 def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: dict) -> str:
     """output_dir/checkpoint-<step>/: the models, loadable (a ModuleDict's others in subdirectories), and
     trainer_state.pt; written to a .tmp directory and renamed, so a kill at any moment leaves the previous whole."""
-    path, main_process = (
-        os.path.join(args.output_dir, f"checkpoint-{step}"),
-        not dist.is_initialized() or dist.get_rank() == 0,
-    )
+    path = os.path.join(args.output_dir, f"checkpoint-{step}")
+    main_process = not dist.is_initialized() or dist.get_rank() == 0
     models = list(model.items()) if isinstance(model, torch.nn.ModuleDict) else [("", model)]
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     rngs = gather_lists([{"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": cuda}])

@@ -314,21 +314,13 @@ METHOD_NON_NEGATIVE = "vf_coef kl_coef missing_eos_penalty".split()
 
 def method_rules(args: Args) -> list[tuple[bool, str]]:
     """(broken, message): flag combinations that cannot work."""
-    high = args.clip_eps_high
+    N, M, accum, high = args.prompts_per_step, args.num_mini_batches, args.grad_accum_steps, args.clip_eps_high
+    gamma, lam = args.gamma, args.lam
     return [
         (high is not None and not high >= 0, f"--clip-eps-high must be 0 or positive (got {high})"),
-        (
-            args.prompts_per_step < args.num_mini_batches * args.grad_accum_steps,
-            f"--prompts-per-step ({args.prompts_per_step}) must be at least --num-mini-batches × --grad-accum-steps",
-        ),
-        (
-            args.prompts_per_step % args.num_mini_batches != 0,
-            f"--prompts-per-step ({args.prompts_per_step}) must be divisible by --num-mini-batches ({args.num_mini_batches})",
-        ),
-        (
-            not (0 <= args.lam <= 1 and 0 <= args.gamma <= 1),
-            f"--gamma and --lam must be in [0, 1] (got {args.gamma}, {args.lam})",
-        ),
+        (N < M * accum, f"--prompts-per-step ({N}) must be at least --num-mini-batches × --grad-accum-steps"),
+        (N % M != 0, f"--prompts-per-step ({N}) must be divisible by --num-mini-batches ({M})"),
+        (not (0 <= lam <= 1 and 0 <= gamma <= 1), f"--gamma and --lam must be in [0, 1] (got {gamma}, {lam})"),
     ]
 
 
@@ -420,10 +412,8 @@ def main(args: Args):
         advantages = whiten(advantages, mask)
 
         # 3. update: num_ppo_epochs passes over num_mini_batches minibatches, one optimiser step each
-        stats = dict.fromkeys(
-            ["policy_loss", "value_loss", "clip_fraction", "approx_kl", "value_clip_fraction", "entropy", "grad_norm"],
-            0.0,
-        )
+        names = "policy_loss value_loss clip_fraction approx_kl value_clip_fraction entropy grad_norm".split()
+        stats = dict.fromkeys(names, 0.0)
         mb_size, n_updates = len(input_ids) // args.num_mini_batches, args.num_ppo_epochs * args.num_mini_batches
         for _ in range(args.num_ppo_epochs):
             order = torch.randperm(len(input_ids), device=run.device)
@@ -922,10 +912,8 @@ def checkpoints(output_dir: str) -> list[str]:
 def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: dict) -> str:
     """output_dir/checkpoint-<step>/: the models, loadable (a ModuleDict's others in subdirectories), and
     trainer_state.pt; written to a .tmp directory and renamed, so a kill at any moment leaves the previous whole."""
-    path, main_process = (
-        os.path.join(args.output_dir, f"checkpoint-{step}"),
-        not dist.is_initialized() or dist.get_rank() == 0,
-    )
+    path = os.path.join(args.output_dir, f"checkpoint-{step}")
+    main_process = not dist.is_initialized() or dist.get_rank() == 0
     models = list(model.items()) if isinstance(model, torch.nn.ModuleDict) else [("", model)]
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     rngs = gather_lists([{"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": cuda}])

@@ -767,10 +767,8 @@ def checkpoints(output_dir: str) -> list[str]:
 def save_checkpoint(args: Args, step: int, model, tokenizer, optimizer, state: dict) -> str:
     """output_dir/checkpoint-<step>/: the models, loadable (a ModuleDict's others in subdirectories), and
     trainer_state.pt; written to a .tmp directory and renamed, so a kill at any moment leaves the previous whole."""
-    path, main_process = (
-        os.path.join(args.output_dir, f"checkpoint-{step}"),
-        not dist.is_initialized() or dist.get_rank() == 0,
-    )
+    path = os.path.join(args.output_dir, f"checkpoint-{step}")
+    main_process = not dist.is_initialized() or dist.get_rank() == 0
     models = list(model.items()) if isinstance(model, torch.nn.ModuleDict) else [("", model)]
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     rngs = gather_lists([{"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": cuda}])

@@ -206,7 +206,6 @@ def run_in_process(script: str, flags: list[str], cwd: Path, monkeypatch) -> int
     case. Returns the exit code."""
     module = importlib.import_module(script.removesuffix(".py"))
     monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", [script, *flags])  # load_checkpoint reads which flags were typed
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # start_run sets its own
     try:
         with pytest.raises(SystemExit) as stopped:
