@@ -117,9 +117,9 @@ class Args:
 # any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
 # given on the command line always wins; --help lists both sets; the run prints which it used.
 DEFAULTS = {  # flag: (built-in task, pretrained model)
-    "steps": (150, 300),
+    "steps": (300, 300),
     "beta": (3.0, 0.1),
-    "lr": (3e-5, 5e-7),
+    "lr": (1e-5, 5e-7),
     "warmup_steps": (20, 0),
     "batch_size": (64, 8),
     "max_new_tokens": (8, 256),
