@@ -9,8 +9,8 @@ r_ϕ is the SFT model with a scalar head, read at the last real token of prompt 
 maximises r_ϕ (Ouyang et al. 2022, InstructGPT; Bradley & Terry 1952). On the built-in task the pairs are,
 by default, the SFT model's own samples, a right and a wrong answer to the same prompt (InstructGPT's
 labellers also ranked the policy's own samples): those are the answers PPO will have to tell apart first;
-plus the task's fixed pairs of the same prompts, whose wrong sums are of every other kind, so that it learns
-to check the sum rather than to spot one kind of slip.
+plus the task's fixed pairs of every training prompt, whose wrong sums are of every other kind, so that it
+learns to check the sum rather than to spot one kind of slip.
 
     python reward_model.py                           # after `python sft.py`: the built-in task, CPU
     python reward_model.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized
@@ -45,15 +45,14 @@ class Args:
     # pairs sampled from the starting model (built-in task)
     sample_pairs: int = 4
     """rows with answers (the built-in task): add pairs of the starting model's own samples, this many per
-    prompt, a correct one vs a wrong one (the mistakes PPO's policy will make), to the dataset's fixed pairs of
-    the same prompts (every other kind of mistake); evaluate on each kind apart (0: the fixed pairs only)"""
+    prompt, a correct one vs a wrong one (the mistakes PPO's policy will make), to the dataset's fixed pairs
+    (every other kind of mistake); evaluate on each kind apart (0: the fixed pairs only)"""
     sample_temperature: float = 0.7
     """temperature of those samples (ppo.py samples at 0.7 too)"""
     max_new_tokens: int | None = None
     """length limit of those samples (the built-in task's answers have at most 4 digits) (default: by run, see the table above)"""
     sample_prompts: int = 8000
-    """training prompts: sampled for those pairs (only prompts with a right and a wrong sample give a pair), and
-    their fixed pairs"""
+    """training prompts sampled for those pairs (only prompts with a right and a wrong sample give a pair)"""
     # optimisation
     steps: int | None = None
     """optimiser steps (default: by run, see the table above)"""
@@ -114,7 +113,7 @@ class Args:
 # any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
 # given on the command line always wins; --help lists both sets; the run prints which it used.
 DEFAULTS = {  # flag: (built-in task, pretrained model)
-    "steps": (1200, 4500),
+    "steps": (3600, 4500),
     "lr": (3e-4, 1e-5),
     "warmup_steps": (20, 0),
     "batch_size": (64, 8),
@@ -258,12 +257,12 @@ def main(args: Args):
     elif args.sample_pairs and all(r.get("answer") is not None for r in eval_rows):
         # The policy's own mistakes are the ones PPO will meet first; the fixed pairs hold every other kind, so
         # that the reward model checks the sum instead of spotting one kind of slip (which PPO would learn to
-        # trade for another).
+        # trade for another). All of them: over the thousands of steps that checking the low digits takes, a
+        # pair is then drawn about twice rather than twenty times.
         sampled, lm = True, load_model(args.model, args.trust_remote_code).to(run.device).eval()
         # held-out first, so that its pairs do not depend on --sample-prompts
         eval_sets = {"": sample_pairs(lm, tokenizer, eval_rows, args, run, autocast), "_fixed": eval_rows}
-        train_rows = train_rows[: args.sample_prompts]
-        train_rows = sample_pairs(lm, tokenizer, train_rows, args, run, autocast) + train_rows
+        train_rows = sample_pairs(lm, tokenizer, train_rows[: args.sample_prompts], args, run, autocast) + train_rows
         del lm
         if not eval_sets[""]:
             fail(

@@ -102,12 +102,12 @@ def sft_run(tmp_path_factory):
 
 RM_TEST_ARGS = [
     "--steps",
-    "300",
+    "600",
     "--eval-every",
     "100",
     "--sample-prompts",
     "5000",
-]  # a quarter of the defaults' steps
+]  # a sixth of the defaults' steps
 
 
 @pytest.fixture(scope="session")
