@@ -251,18 +251,20 @@ def main(args: Args):
     eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
     common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
     eval_sets = {"": eval_rows}  # name → held-out pairs
-    sampled = bool(run.state and "pairs" in run.state)
-    if sampled:  # resumed: the very pairs the run started with
-        train_rows, eval_sets = run.state["pairs"]
+    own = None  # pairs of the starting model's own samples (built-in task), saved with each checkpoint
+    if run.state and "pairs" in run.state:  # resumed: the very pairs the run started with
+        own, eval_sets = run.state["pairs"]
+        train_rows = own + train_rows
     elif args.sample_pairs and all(r.get("answer") is not None for r in eval_rows):
         # The policy's own mistakes are the ones PPO will meet first; the fixed pairs hold every other kind, so
         # that the reward model checks the sum instead of spotting one kind of slip (which PPO would learn to
-        # trade for another). All of them: over the thousands of steps that checking the low digits takes, a
-        # pair is then drawn about twice rather than twenty times.
-        sampled, lm = True, load_model(args.model, args.trust_remote_code).to(run.device).eval()
+        # trade for another). All of them, so that over the thousands of steps that checking the low digits
+        # takes, each pair is drawn only a few times.
+        lm = load_model(args.model, args.trust_remote_code).to(run.device).eval()
         # held-out first, so that its pairs do not depend on --sample-prompts
         eval_sets = {"": sample_pairs(lm, tokenizer, eval_rows, args, run, autocast), "_fixed": eval_rows}
-        train_rows = sample_pairs(lm, tokenizer, train_rows[: args.sample_prompts], args, run, autocast) + train_rows
+        own = sample_pairs(lm, tokenizer, train_rows[: args.sample_prompts], args, run, autocast)
+        train_rows = own + train_rows
         del lm
         if not eval_sets[""]:
             fail(
@@ -282,7 +284,7 @@ def main(args: Args):
         return log_eval(run, step, evaluate(model, tokenizer, eos_ids, eval_sets, args, run.device, autocast), [])
 
     def extra_state() -> dict:  # sampled pairs are saved with the checkpoint: a resumed run trains on the same
-        return {"pairs": [train_rows, eval_sets]} if sampled else {}
+        return {"pairs": [own, eval_sets]} if own is not None else {}
 
     last_eval = run.first_eval or run_eval(0)
     for step in progress:
