@@ -52,7 +52,7 @@ LORA = {  # with --lora-r: what each method holds as <method>_lora, and its lear
     "grpo": ("1: policy (π_ref: its adapter off)", "1e-3"),
 }
 # the control: sft.py continued from models/sft with DPO's built-in-task steps, batch and learning rate
-CONTROL = ["--model", "models/sft", "--output-dir", "models/more_sft"] + [
+CONTROL = "--model models/sft --output-dir models/more_sft".split() + [
     x for flag in ("steps", "batch_size", "lr") for x in (f"--{flag.replace('_', '-')}", str(dpo.DEFAULTS[flag][0]))
 ]
 
@@ -136,12 +136,12 @@ def kl_to_reference(policy_dir: Path, ref_dir: Path, n: int = 500) -> float:
 
 
 QUICK = {  # a few steps of each stage (--quick, for tests); 30 SFT steps answer nothing right, so the fixed pairs
-    "sft": ["--steps", "30", "--eval-every", "30", "--eval-size", "32"],
-    "reward_model": ["--steps", "5", "--eval-size", "32", "--sample-pairs", "0"],
-    "ppo": ["--steps", "3", "--prompts-per-step", "16", "--eval-size", "32"],
-    "dpo": ["--steps", "3", "--eval-size", "32", "--sample-pairs", "0"],
-    "grpo": ["--steps", "3", "--prompts-per-step", "8", "--eval-size", "32"],
-    "more_sft": ["--steps", "3", "--eval-size", "32"],
+    "sft": "--steps 30 --eval-every 30 --eval-size 32".split(),
+    "reward_model": "--steps 5 --eval-size 32 --sample-pairs 0".split(),
+    "ppo": "--steps 3 --prompts-per-step 16 --eval-size 32".split(),
+    "dpo": "--steps 3 --eval-size 32 --sample-pairs 0".split(),
+    "grpo": "--steps 3 --prompts-per-step 8 --eval-size 32".split(),
+    "more_sft": "--steps 3 --eval-size 32".split(),
 }
 
 
@@ -285,7 +285,7 @@ def plot(runs: list[dict], path: str, args: Args):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    colors = dict(zip(METHODS, ["tab:red", "tab:blue", "tab:green", "tab:gray"]))
+    colors = dict(zip(METHODS, "tab:red tab:blue tab:green tab:gray".split()))
     for method in trained(runs[0]):
         color = colors[method.removesuffix("_lora")]
         for k, r in enumerate(runs):

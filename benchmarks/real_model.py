@@ -78,8 +78,8 @@ class Args:
     """internal (worker): the result file"""
 
 
-NAMES = ["Tom", "Ana", "Li", "Sam", "Maya", "Omar"]
-THINGS = ["apples", "marbles", "stickers", "books", "coins"]
+NAMES = "Tom Ana Li Sam Maya Omar".split()
+THINGS = "apples marbles stickers books coins".split()
 
 
 def word_problems(n: int, seed: int = 0) -> list[dict]:
@@ -126,13 +126,13 @@ def write_data(workdir: Path, n: int) -> dict[str, Path]:
 
 
 def ours_flags(method: str, args: Args, model: Path, files: dict, seed: int) -> list[str]:
-    flags = ["--model", str(model), "--seed", str(seed), "--warmup-steps", "0", "--eval-every", "1000"]
-    flags += ["--eval-size", "1", "--output-dir", "model", "--run-name", "run", "--no-bf16"]
+    flags = ["--model", str(model), "--seed", str(seed), *"--warmup-steps 0 --eval-every 1000".split()]
+    flags += "--eval-size 1 --output-dir model --run-name run --no-bf16".split()
     if method == "grpo":
         return flags + [
             *("--dataset", str(files["gsm8k"]), "--steps", str(args.grpo_steps), "--lr", str(args.grpo_lr)),
             *("--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size)),
-            *("--max-new-tokens", str(args.max_new_tokens), "--temperature", "1.0", "--beta", str(args.grpo_beta)),
+            *("--max-new-tokens", str(args.max_new_tokens), *"--temperature 1.0 --beta".split(), str(args.grpo_beta)),
             *("--grad-accum-steps", "2", "--loss-type", "grpo"),
         ]
     return flags + [

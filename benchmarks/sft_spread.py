@@ -51,9 +51,7 @@ def command(seed: int, precision: str, processes: int, cwd: Path) -> list[str]:
         "--seed",
         str(seed),
         "--bf16" if precision == "bf16" else "--no-bf16",
-        "--eval-every",
-        "100000",
-        "--run-name",
+        *"--eval-every 100000 --run-name".split(),
         name,
         "--output-dir",
         f"models/{name}",
@@ -62,9 +60,7 @@ def command(seed: int, precision: str, processes: int, cwd: Path) -> list[str]:
         return [sys.executable, str(ROOT / "sft.py"), *flags]
     return [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
+        *"-m torch.distributed.run --nproc_per_node".split(),
         str(processes),
         str(ROOT / "sft.py"),
         *flags,

@@ -70,7 +70,7 @@ class Args:
     """agreement: preference pairs in the batch"""
     beta: float = 0.1
     """DPO β"""
-    methods: list[str] = field(default_factory=lambda: ["dpo", "reward", "grpo"])
+    methods: list[str] = field(default_factory=lambda: "dpo reward grpo".split())
     """speed: the methods to time"""
     repeats: int = 3
     """speed: runs of each implementation (alternating), for min/median/max"""
@@ -257,13 +257,9 @@ def ours_flags(method: str, args: Args, model: Path, data: dict, out: Path) -> l
         str(args.steps),
         "--lr",
         str(LR[method]),
-        "--warmup-steps",
-        "1",
-        "--eval-every",
+        *"--warmup-steps 1 --eval-every".split(),
         str(10**6),
-        "--eval-size",
-        "16",
-        "--output-dir",
+        *"--eval-size 16 --output-dir".split(),
         str(out / "model"),
         "--run-name",
         "run",
@@ -277,16 +273,7 @@ def ours_flags(method: str, args: Args, model: Path, data: dict, out: Path) -> l
             str(args.prompts_per_step),
             "--group-size",
             str(args.group_size),
-            "--grad-accum-steps",
-            "1",
-            "--beta",
-            "0.04",
-            "--loss-type",
-            "grpo",
-            "--temperature",
-            "0.7",
-            "--max-new-tokens",
-            "8",
+            *"--grad-accum-steps 1 --beta 0.04 --loss-type grpo --temperature 0.7 --max-new-tokens 8".split(),
         ]
     flags += ["--beta", str(args.beta)] if method == "dpo" else ["--no-lr-decay"]  # TRL's runs: constant learning rate
     return flags + ["--dataset", str(data["preference"]), "--batch-size", str(args.batch_size)]

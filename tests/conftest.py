@@ -93,21 +93,12 @@ def made_once(tmp_path_factory, name: str, make) -> Path:
 def sft_run(tmp_path_factory):
     """The tiny SFT model as `python sft.py` makes it, trained once: (work dir, model dir, metrics rows)."""
     cwd = made_once(
-        tmp_path_factory,
-        "sft",
-        lambda cwd: run_script("sft.py", "--eval-every", "500", "--run-name", "session", cwd=cwd),
+        tmp_path_factory, "sft", lambda cwd: run_script(*"sft.py --eval-every 500 --run-name session".split(), cwd=cwd)
     )
     return cwd, cwd / "models" / "sft", read_metrics(cwd, "session")
 
 
-RM_TEST_ARGS = [
-    "--steps",
-    "600",
-    "--eval-every",
-    "100",
-    "--sample-prompts",
-    "5000",
-]  # a sixth of the defaults' steps
+RM_TEST_ARGS = "--steps 600 --eval-every 100 --sample-prompts 5000".split()  # a sixth of the defaults' steps
 
 
 @pytest.fixture(scope="session")
@@ -154,7 +145,7 @@ def build_chat_model(path: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = "<|endoftext|> <|im_start|> <|im_end|>".split()
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()

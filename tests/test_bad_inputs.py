@@ -18,7 +18,7 @@ from conftest import ROOT, run_script
 
 import common
 
-QUICK = ["--eval-size", "8", "--eval-every", "1000"]
+QUICK = "--eval-size 8 --eval-every 1000".split()
 
 
 def digest(path: Path) -> dict:
@@ -34,21 +34,9 @@ def digest(path: Path) -> dict:
 def made(tmp_path_factory):
     """A tiny SFT model with checkpoints at steps 2 and 4, a GRPO checkpoint, and broken copies of each."""
     d = tmp_path_factory.mktemp("made")
-    run_script("sft.py", "--steps", "4", "--batch-size", "8", "--save-every", "2", "--output-dir", "sft", *QUICK, cwd=d)
+    run_script(*"sft.py --steps 4 --batch-size 8 --save-every 2 --output-dir sft".split(), *QUICK, cwd=d)
     run_script(
-        "grpo.py",
-        "--model",
-        "sft",
-        "--steps",
-        "1",
-        "--prompts-per-step",
-        "2",
-        "--group-size",
-        "2",
-        "--save-every",
-        "1",
-        "--output-dir",
-        "grpo",
+        *"grpo.py --model sft --steps 1 --prompts-per-step 2 --group-size 2 --save-every 1 --output-dir grpo".split(),
         *QUICK,
         cwd=d,
     )
@@ -94,25 +82,21 @@ FLAG_CASES = [  # script, flags, what the one line says: checked before anything
     ("dpo.py", ["--rpo-alpha", "-1"], "--rpo-alpha must be 0 or positive"),
     ("grpo.py", ["--lr", "nan"], "--lr must be positive"),
     ("sft.py", ["--seed", "-1"], "--seed must be 0 or positive"),
-    ("sft.py", ["--hidden-size", "100", "--num-heads", "8"], "must be divisible by --num-heads"),
+    ("sft.py", "--hidden-size 100 --num-heads 8".split(), "must be divisible by --num-heads"),
     ("sft.py", ["--steps", "0"], "--steps must be positive"),
     ("grpo.py", ["--group-size", "1"], "--group-size must be at least 2"),
-    ("grpo.py", ["--prompts-per-step", "2", "--grad-accum-steps", "17"], "--grad-accum-steps (17) must be at most"),
-    (
-        "grpo.py",
-        ["--format-reward", "0.5", "--reward-model", "rm"],
-        "--format-reward adds to the rule-based reward only",
-    ),
+    ("grpo.py", "--prompts-per-step 2 --grad-accum-steps 17".split(), "--grad-accum-steps (17) must be at most"),
+    ("grpo.py", "--format-reward 0.5 --reward-model rm".split(), "--format-reward adds to the rule-based reward only"),
     ("ppo.py", ["--num-mini-batches", "3"], "must be divisible by --num-mini-batches"),
     ("dpo.py", ["--label-smoothing", "0.7"], "--label-smoothing must be in [0, 0.5)"),
-    ("dpo.py", ["--loss-type", "ipo", "--label-smoothing", "0.1"], "--label-smoothing applies to --loss-type sigmoid"),
+    ("dpo.py", "--loss-type ipo --label-smoothing 0.1".split(), "--label-smoothing applies to --loss-type sigmoid"),
     ("reward_model.py", ["--save-every", "-1"], "--save-every must be 0 or positive"),
     ("reward_model.py", ["--sample-pairs", "1"], "--sample-pairs must be 0 (the fixed pairs) or at least 2"),
     ("reward_model.py", ["--lora-r", "-1"], "--lora-r must be 0 or positive"),
     ("ppo.py", ["--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
-    ("grpo.py", ["--model", "m", "--lora-r", "8", "--fsdp"], "--lora-r with --fsdp is not supported"),
+    ("grpo.py", "--model m --lora-r 8 --fsdp".split(), "--lora-r with --fsdp is not supported"),
     ("sft.py", ["--lora-r", "8"], "--lora-r trains adapters on a pretrained model: pass --model"),
-    ("dpo.py", ["--model", "m", "--lora-r", "8", "--output-dir", "./m"], "is the model being adapted"),
+    ("dpo.py", "--model m --lora-r 8 --output-dir ./m".split(), "is the model being adapted"),
 ]
 
 
@@ -245,7 +229,7 @@ def test_bad_input_as_a_user_runs_it(script, flags, message, made, tmp_path):
 
 @pytest.mark.slow
 def test_an_unknown_choice_is_refused_by_tyro(tmp_path):
-    proc = run_script("dpo.py", "--loss-type", "bogus", cwd=tmp_path, check=False)
+    proc = run_script(*"dpo.py --loss-type bogus".split(), cwd=tmp_path, check=False)
     assert (
         proc.returncode == 2 and "Traceback" not in proc.stderr and "invalid choice 'bogus'" in proc.stderr
     )  # tyro's framed message
@@ -264,14 +248,14 @@ def test_a_finished_run_resumed_again_says_so_and_changes_nothing(made, tmp_path
 def test_resume_takes_the_run_flags_from_the_checkpoint_and_extends_steps(made, tmp_path):
     """--resume: the run's own batch size, lr, ... (a --lr given is set aside); --steps may grow."""
     shutil.copytree(made / "sft", tmp_path / "sft")
-    proc = run_script("sft.py", "--resume", "sft/checkpoint-4", "--steps", "6", "--lr", "5e-4", cwd=tmp_path)
+    proc = run_script(*"sft.py --resume sft/checkpoint-4 --steps 6 --lr 5e-4".split(), cwd=tmp_path)
     assert "but --steps 6" in proc.stdout and "saved to sft" in proc.stdout
     (run,) = (tmp_path / "runs").iterdir()
     used = json.loads((run / "args.json").read_text())
     assert used["lr"] == 1e-3 and used["batch_size"] == 8 and used["steps"] == 6  # the run's own, but --steps
     assert (
         sorted(p.name for p in (tmp_path / "sft").glob("checkpoint-*"))
-        == ["checkpoint-2", "checkpoint-4", "checkpoint-6"][-2:]
+        == "checkpoint-2 checkpoint-4 checkpoint-6".split()[-2:]
     )
 
 
@@ -316,7 +300,7 @@ def test_a_failed_write_keeps_the_previous_files_and_names_the_last_checkpoint(w
     shutil.copytree(made / "sft", tmp_path / "out")
     shutil.rmtree(tmp_path / "out" / "checkpoint-4")
     before = digest(tmp_path / "out")
-    flags = ["--steps", "4", "--batch-size", "8", "--save-every", "4", "--output-dir", "out", *QUICK]
+    flags = [*"--steps 4 --batch-size 8 --save-every 4 --output-dir out".split(), *QUICK]
     code = FAIL_WRITES.format(script="sft.py", flags=flags, root=str(ROOT), which=which)
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

@@ -95,7 +95,7 @@ def test_plot_is_written(tmp_path):
 
 def test_lora_columns_follow_their_method_and_say_what_they_hold():
     args = compare.Args(lora_r=8)
-    assert compare.columns(args) == ["ppo", "ppo_lora", "dpo", "dpo_lora", "grpo", "grpo_lora", "more_sft"]
+    assert compare.columns(args) == "ppo ppo_lora dpo dpo_lora grpo grpo_lora more_sft".split()
     runs = fake_runs()
     for r in runs:  # the table keeps the runs' own order, with sft and reward_model left out wherever they are
         r.update({"dpo_lora": dict(r["dpo"], trainable=46_000)})
@@ -108,9 +108,7 @@ def test_lora_columns_follow_their_method_and_say_what_they_hold():
 
 @pytest.mark.slow
 def test_gpu_profile_runs_on_a_tiny_cpu_config(tmp_path):
-    proc = run_script(
-        "benchmarks/gpu.py", "--device", "cpu", "--tiny", "--large", "--repeats", "1", "--no-write", cwd=tmp_path
-    )
+    proc = run_script(*"benchmarks/gpu.py --device cpu --tiny --large --repeats 1 --no-write".split(), cwd=tmp_path)
     for phase in ["generation", "reference log-probs", "policy forward + backward", "optimiser"]:
         # GRPO (generation and three more phases), DPO, long DPO: full (GRPO twice: --static-cache), LoRA, large LoRA
         assert proc.stdout.count(f"| {phase} |") == (3 if phase == "generation" else 9) + 1
@@ -129,17 +127,7 @@ def test_logits_memory_runs_every_variant_on_a_small_config(tmp_path):
     table has a row for each variant."""
     proc = run_script(
         "benchmarks/logits_memory.py",
-        "--vocab-size",
-        "2000",
-        "--hidden-size",
-        "32",
-        "--pairs",
-        "2",
-        "--prompt-tokens",
-        "8",
-        "--completion-tokens",
-        "8",
-        "--no-write",
+        *"--vocab-size 2000 --hidden-size 32 --pairs 2 --prompt-tokens 8 --completion-tokens 8 --no-write".split(),
         cwd=tmp_path,
     )
     assert "| full logits kept for backward (before) |" in proc.stdout and "`lm_head_logprobs`" in proc.stdout
@@ -149,7 +137,7 @@ def test_logits_memory_runs_every_variant_on_a_small_config(tmp_path):
 @pytest.mark.slow
 def test_vs_trl_first_step_losses_agree(tmp_path):
     pytest.importorskip("trl", reason="benchmark dependency: pip install -r benchmarks/requirements.txt")
-    proc = run_script("benchmarks/vs_trl.py", "--pairs", "4", "--no-write", cwd=tmp_path)
+    proc = run_script(*"benchmarks/vs_trl.py --pairs 4 --no-write".split(), cwd=tmp_path)
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| DPO") or line.startswith("| reward model")]
     assert len(rows) == 2 and all(row.rstrip().endswith("| yes |") for row in rows), proc.stdout
     table = proc.stdout.split("| GRPO loss on identical tensors")[1].splitlines()[2:]
@@ -162,21 +150,8 @@ def test_vs_trl_speed_runs_both_implementations_of_each_method(tmp_path):
     pytest.importorskip("trl", reason="benchmark dependency: pip install -r benchmarks/requirements.txt")
     proc = run_script(
         "benchmarks/vs_trl.py",
-        "--part",
-        "speed",
-        "--steps",
-        "3",
-        "--skip",
-        "1",
-        "--repeats",
-        "1",
-        "--batch-size",
-        "4",
-        "--prompts-per-step",
-        "2",
-        "--group-size",
-        "2",
-        "--no-write",
+        *"--part speed --steps 3 --skip 1 --repeats 1 --batch-size 4".split(),
+        *"--prompts-per-step 2 --group-size 2 --no-write".split(),
         cwd=tmp_path,
     )
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("| DPO", "| reward model", "| GRPO"))]

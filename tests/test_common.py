@@ -200,7 +200,7 @@ def test_shuffled_batches_deterministic_and_cover_each_epoch():
 
 
 # ---------------------------------------------------------------- dataset formats
-@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+@pytest.mark.parametrize("suffix", ".jsonl .json .parquet".split())
 def test_sft_prompt_completion_from_each_file_type(tmp_path, suffix):
     path = write(tmp_path / f"d{suffix}", [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(20)])
     train = common.load_rows(path, "train", "sft")

@@ -9,11 +9,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BANNER = "# Infrastructure:"
-ONE_TAIL = ["sft", "reward_model", "dpo", "grpo", "ppo"]  # the whole text below the banner is one copy
+ONE_TAIL = "sft reward_model dpo grpo ppo".split()  # the whole text below the banner is one copy
 COPIES = {  # the method helpers above the banner that several scripts share
     "completion_mask": ["grpo", "ppo"],
     "generate": ["grpo", "ppo"],
-    "reference_policy": ["dpo", "grpo", "ppo"],  # with LoRA, π_ref is the policy with its adapter off
+    "reference_policy": "dpo grpo ppo".split(),  # with LoRA, π_ref is the policy with its adapter off
     "pair_batch": ["reward_model", "dpo"],  # chosen then rejected completions, one batch
     "sample_pairs": ["reward_model", "dpo"],  # pairs of the starting model's own right and wrong samples
     "greedy_completions": ["sft", "dpo"],

@@ -16,11 +16,7 @@ def torchrun(script: str, *args: str, cwd):
     proc = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
+            *"-m torch.distributed.run --standalone --nproc_per_node 2".split(),
             str(ROOT / script),
             *script_args(script, args),
         ],
@@ -59,22 +55,9 @@ def sft_dir(sft_run):
 
 
 EQUIVALENT = {  # 6 steps of each at a learning rate that moves the weights
-    "sft.py": ["--steps", "6", "--lr", "3e-3", "--eval-every", "1000", "--eval-size", "8"],
+    "sft.py": "--steps 6 --lr 3e-3 --eval-every 1000 --eval-size 8".split(),
     # the fixed pairs: pairs sampled from π_ref depend on how the prompts are split over processes
-    "dpo.py": [
-        "--model",
-        "{sft}",
-        "--steps",
-        "6",
-        "--lr",
-        "1e-3",
-        "--eval-every",
-        "1000",
-        "--eval-size",
-        "8",
-        "--sample-pairs",
-        "0",
-    ],
+    "dpo.py": ["--model", "{sft}", *"--steps 6 --lr 1e-3 --eval-every 1000 --eval-size 8 --sample-pairs 0".split()],
 }
 
 
@@ -85,23 +68,15 @@ def test_two_processes_and_accumulation_equal_one_big_batch(script, sft_dir, tmp
     flags = [f.format(sft=sft_dir) for f in EQUIVALENT[script]] + ["--no-bf16"]
     for name in ("big", "acc", "ddp", "fsdp"):
         (tmp_path / name).mkdir()
-    run_script(script, *flags, "--batch-size", "16", "--output-dir", "big", "--run-name", "big", cwd=tmp_path / "big")
+    run_script(script, *flags, *"--batch-size 16 --output-dir big --run-name big".split(), cwd=tmp_path / "big")
     # accumulation, with activations recomputed in the backward pass (gradient checkpointing changes no number)
     run_script(
         script,
         *flags,
-        "--batch-size",
-        "8",
-        "--grad-accum-steps",
-        "2",
-        "--gradient-checkpointing",
-        "--output-dir",
-        "acc",
-        "--run-name",
-        "acc",
+        *"--batch-size 8 --grad-accum-steps 2 --gradient-checkpointing --output-dir acc --run-name acc".split(),
         cwd=tmp_path / "acc",
     )
-    torchrun(script, *flags, "--batch-size", "8", "--output-dir", "ddp", "--run-name", "ddp", cwd=tmp_path / "ddp")
+    torchrun(script, *flags, *"--batch-size 8 --output-dir ddp --run-name ddp".split(), cwd=tmp_path / "ddp")
     big = weights(tmp_path / "big/big")
     if script == "dpo.py":  # the steps moved the weights well beyond the tolerance below
         start = AutoModelForCausalLM.from_pretrained(sft_dir).state_dict()
@@ -111,16 +86,7 @@ def test_two_processes_and_accumulation_equal_one_big_batch(script, sft_dir, tmp
     assert_one_metrics_file(tmp_path / "ddp", "ddp")
     if script == "sft.py":  # FSDP2 shards the same model and takes the same steps
         torchrun(
-            script,
-            *flags,
-            "--batch-size",
-            "8",
-            "--fsdp",
-            "--output-dir",
-            "fsdp",
-            "--run-name",
-            "fsdp",
-            cwd=tmp_path / "fsdp",
+            script, *flags, *"--batch-size 8 --fsdp --output-dir fsdp --run-name fsdp".split(), cwd=tmp_path / "fsdp"
         )
         assert_same_weights(big, weights(tmp_path / "fsdp/fsdp"))
         AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp/fsdp")
@@ -147,20 +113,7 @@ RUNS = [  # script, flags: each completes under torchrun and saves what transfor
     ),
     (
         "grpo.py",
-        [
-            "--model",
-            "{sft}",
-            "--steps",
-            "3",
-            "--prompts-per-step",
-            "4",
-            "--group-size",
-            "4",
-            "--eval-size",
-            "8",
-            "--loss-type",
-            "dapo",
-        ],
+        ["--model", "{sft}", *"--steps 3 --prompts-per-step 4 --group-size 4 --eval-size 8 --loss-type dapo".split()],
     ),
     (
         "grpo.py",
@@ -174,15 +127,7 @@ RUNS = [  # script, flags: each completes under torchrun and saves what transfor
             "{sft}",
             "--reward-model",
             "{rm}",
-            "--steps",
-            "3",
-            "--prompts-per-step",
-            "8",
-            "--eval-size",
-            "8",
-            "--fsdp",
-            "--save-every",
-            "3",
+            *"--steps 3 --prompts-per-step 8 --eval-size 8 --fsdp --save-every 3".split(),
         ],
     ),
     # DDP: the critic's forward goes through its own wrapper; micro-batches but the last skip the all-reduce
@@ -203,7 +148,7 @@ def test_each_script_runs_under_torchrun(script, flags, sft_dir, tmp_path):
     rm = tmp_path / "rm"
     AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1).save_pretrained(rm)
     proc = torchrun(
-        script, *[f.format(sft=sft_dir, rm=rm) for f in flags], "--output-dir", "out", "--run-name", "r", cwd=tmp_path
+        script, *[f.format(sft=sft_dir, rm=rm) for f in flags], *"--output-dir out --run-name r".split(), cwd=tmp_path
     )
     assert "× 2" in proc.stdout  # rank 0 reports both processes; the others print nothing
     assert_one_metrics_file(tmp_path, "r")

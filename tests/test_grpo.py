@@ -30,7 +30,7 @@ def naive_group_advantages(rewards, G, scale, eps):
     return torch.tensor(out)
 
 
-@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("scale", "group batch none".split())
 def test_group_advantages_matches_naive_loop(scale):
     torch.manual_seed(0)
     rewards = torch.randn(12)
@@ -71,7 +71,7 @@ def random_batch(B=4, T=6, seed=0):
     return logps, old, ref, torch.randn(B, generator=g), mask
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", "grpo dapo dr_grpo".split())
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_grpo_loss_matches_naive_loop(loss_type, beta):
     logps, old, ref, adv, mask = random_batch()
@@ -202,7 +202,7 @@ def test_generation_logprobs_match_forward_pass():
     tok = common.build_char_tokenizer()
     torch.manual_seed(0)
     model = sft.tiny_model(tok, sft.Args()).eval()
-    ids, mask = common.pad(common.tokenize(tok, ["1+2=", "123+456=", "77+8="]), tok.pad_token_id, "left")
+    ids, mask = common.pad(common.tokenize(tok, "1+2= 123+456= 77+8=".split()), tok.pad_token_id, "left")
     out = model.generate(
         input_ids=ids,
         attention_mask=mask,
@@ -238,7 +238,7 @@ def test_token_logprobs_matches_log_softmax_gather():
 def test_grpo_end_to_end_improves_accuracy(sft_run, tmp_path):
     _, model_dir, _ = sft_run
     out = run_script(
-        "grpo.py", "--model", str(model_dir), "--steps", "10", "--eval-every", "10", "--run-name", "g", cwd=tmp_path
+        "grpo.py", "--model", str(model_dir), *"--steps 10 --eval-every 10 --run-name g".split(), cwd=tmp_path
     ).stdout
     evals = [m for m in read_metrics(tmp_path, "g") if "eval/accuracy" in m]
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
@@ -246,7 +246,7 @@ def test_grpo_end_to_end_improves_accuracy(sft_run, tmp_path):
     # each evaluation prints the same held-out prompts: three the model got wrong at step 0, one it got right
     shown = re.findall(r"^  '(\d{3}\+\d{3}=)' → '\d*' \(\d+ \+ \d+ = \d+ ([✓✗])", out, re.M)
     assert len(shown) == 8 and [p for p, _ in shown[:4]] == [p for p, _ in shown[4:]], out
-    assert [v for _, v in shown[:4]] == ["✗", "✗", "✗", "✓"], shown
+    assert [v for _, v in shown[:4]] == "✗ ✗ ✗ ✓".split(), shown
     train = [m for m in read_metrics(tmp_path, "g") if "train/kl" in m]
     assert 0 < train[-1]["train/kl"] < 1  # the KL to the reference is measured and stays bounded
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "grpo") is not None
@@ -259,7 +259,7 @@ DAPO_STYLE = "--dynamic-sampling --clip-eps-high 0.28 --mask-truncated-completio
 @pytest.mark.parametrize("seed", ["1", "2"])
 def test_dapo_style_grpo_improves_accuracy_and_trains_only_informative_groups(sft_run, tmp_path, seed):
     _, model_dir, _ = sft_run
-    flags = ["--model", str(model_dir), "--steps", "10", "--eval-every", "10", "--seed", seed, *DAPO_STYLE]
+    flags = ["--model", str(model_dir), *"--steps 10 --eval-every 10 --seed".split(), seed, *DAPO_STYLE]
     run_script("grpo.py", *flags, "--run-name", "d", cwd=tmp_path)
     metrics = read_metrics(tmp_path, "d")
     evals = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
@@ -281,9 +281,9 @@ def test_dynamic_sampling_stops_at_its_cap_when_every_group_ties(sft_run, tmp_pa
         "".join(json.dumps({"prompt": f"{i}+1=", "answer": "x"}) + "\n" for i in range(40))
     )
     flags = ["--model", str(model_dir), "--dataset", str(tmp_path / "tie.jsonl"), "--dynamic-sampling"]
-    flags += ["--max-sampling-rounds", "3", "--steps", "2", "--prompts-per-step", "4", "--group-size", "2"]
-    flags += ["--max-new-tokens", "8", "--lr", "1e-3", "--eval-size", "4"]
-    proc = run_script("grpo.py", *flags, "--run-name", "t", "--output-dir", "out", cwd=tmp_path)
+    flags += "--max-sampling-rounds 3 --steps 2 --prompts-per-step 4 --group-size 2".split()
+    flags += "--max-new-tokens 8 --lr 1e-3 --eval-size 4".split()
+    proc = run_script("grpo.py", *flags, *"--run-name t --output-dir out".split(), cwd=tmp_path)
     assert proc.stdout.count("every group's rewards tied in 3 rounds") == 1
     train = [m for m in read_metrics(tmp_path, "t") if "train/loss" in m]
     assert [(m["train/sampling_rounds"], m["train/groups_trained"]) for m in train] == [(3, 0), (3, 0)]
@@ -303,20 +303,8 @@ def test_grpo_gsm8k_format_with_group_16(sft_run, tmp_path):
         str(model_dir),
         "--dataset",
         str(tmp_path / "gsm.jsonl"),
-        "--group-size",
-        "16",
-        "--prompts-per-step",
-        "4",
-        "--steps",
-        "3",
-        "--eval-every",
-        "3",
-        "--loss-type",
-        "dr_grpo",
-        "--num-iterations",
-        "2",
-        "--run-name",
-        "gsm",
+        *"--group-size 16 --prompts-per-step 4 --steps 3 --eval-every 3 --run-name gsm".split(),
+        *"--loss-type dr_grpo --num-iterations 2".split(),
         cwd=tmp_path,
     )
     metrics = read_metrics(tmp_path, "gsm")
@@ -334,16 +322,7 @@ def test_grpo_with_a_reward_model(sft_run, tmp_path):
         str(model_dir),
         "--reward-model",
         str(tmp_path / "rm"),
-        "--steps",
-        "2",
-        "--eval-every",
-        "2",
-        "--eval-size",
-        "32",
-        "--beta",
-        "0",
-        "--run-name",
-        "rm",
+        *"--steps 2 --eval-every 2 --eval-size 32 --beta 0 --run-name rm".split(),
         cwd=tmp_path,
     )
     metrics = read_metrics(tmp_path, "rm")
@@ -368,9 +347,7 @@ def test_grad_accumulation_takes_the_same_steps(sft_run, tmp_path, loss_type):
             "--model",
             str(model_dir),
             *flags.split(),
-            "--eval-size",
-            "8",
-            "--loss-type",
+            *"--eval-size 8 --loss-type".split(),
             loss_type,
             "--no-bf16",  # equal to rounding: fp32
             "--grad-accum-steps",

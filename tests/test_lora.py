@@ -162,8 +162,8 @@ def test_lora_sft_trains_adapters_on_a_pretrained_model_and_merges(tmp_path):
     tok = common.build_char_tokenizer()
     sft.tiny_model(tok, sft.Args()).save_pretrained(tmp_path / "base")  # random weights: everything to learn
     tok.save_pretrained(tmp_path / "base")
-    flags = ["--model", "base", "--lora-r", "16", "--lr", "3e-3", "--steps", "150", "--eval-every", "150"]
-    out = run_script("sft.py", *flags, "--merge-lora", "--run-name", "s", cwd=tmp_path).stdout
+    flags = "--model base --lora-r 16 --lr 3e-3 --steps 150 --eval-every 150".split()
+    out = run_script("sft.py", *flags, *"--merge-lora --run-name s".split(), cwd=tmp_path).stdout
     start, end = first_eval_and_last(tmp_path, "s", "eval/loss")
     assert end < 0.85 * start, (start, end)
     assert_counts_logged(tmp_path, "s", out)
@@ -183,7 +183,7 @@ def test_lora_sft_trains_adapters_on_a_pretrained_model_and_merges(tmp_path):
 def test_lora_dpo_starts_at_log_2_and_raises_accuracy(sft_run, tmp_path):
     """π_ref is the policy with its adapter off: the first loss is log 2 exactly, in fp32 and in bf16."""
     _, model_dir, _ = sft_run
-    flags = ["--model", str(model_dir), "--lora-r", "8", "--lr", "1e-4", "--steps", "30", "--eval-every", "30"]
+    flags = ["--model", str(model_dir), *"--lora-r 8 --lr 1e-4 --steps 30 --eval-every 30".split()]
     out = run_script("dpo.py", *flags, "--run-name", "d", cwd=tmp_path).stdout
     train = [m for m in read_metrics(tmp_path, "d") if "train/loss" in m]
     assert train[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
@@ -198,7 +198,7 @@ def test_lora_dpo_starts_at_log_2_and_raises_accuracy(sft_run, tmp_path):
 @pytest.mark.slow
 def test_lora_grpo_raises_accuracy(sft_run, tmp_path):
     _, model_dir, _ = sft_run
-    flags = ["--model", str(model_dir), "--lora-r", "8", "--lr", "1e-3", "--steps", "10", "--eval-every", "10"]
+    flags = ["--model", str(model_dir), *"--lora-r 8 --lr 1e-3 --steps 10 --eval-every 10".split()]
     run_script("grpo.py", *flags, "--run-name", "g", cwd=tmp_path)
     start, end = first_eval_and_last(tmp_path, "g", "eval/accuracy")
     assert end >= start + 0.1, (start, end)
@@ -210,7 +210,7 @@ def test_lora_resumes_exactly_under_torchrun(sft_run, tmp_path):
     optimiser state), metrics and adapter weights."""
     _, model_dir, _ = sft_run
     flags = [
-        *("--model", str(model_dir), "--lora-r", "8", "--lr", "1e-3", "--steps", "4", "--save-every", "2"),
+        *("--model", str(model_dir), *"--lora-r 8 --lr 1e-3 --steps 4 --save-every 2".split()),
         *("--prompts-per-step", "4", "--group-size", "4", "--eval-every", "1000", "--eval-size", "8"),
     ]
 
@@ -220,11 +220,11 @@ def test_lora_resumes_exactly_under_torchrun(sft_run, tmp_path):
             {k: v for k, v in m.items() if not k.endswith("_s")} for m in rows if m["step"] > 2 and "train/loss" in m
         ]
 
-    torchrun("grpo.py", *flags, "--output-dir", "whole", "--run-name", "r", cwd=tmp_path)
+    torchrun("grpo.py", *flags, *"--output-dir whole --run-name r".split(), cwd=tmp_path)
     whole_rows = train_rows()
     (tmp_path / "cut").mkdir()
     os.rename(tmp_path / "whole/checkpoint-2", tmp_path / "cut/checkpoint-2")
-    proc = torchrun("grpo.py", *flags, "--output-dir", "cut", "--resume", "latest", cwd=tmp_path)
+    proc = torchrun("grpo.py", *flags, *"--output-dir cut --resume latest".split(), cwd=tmp_path)
     assert "resuming from cut/checkpoint-2" in proc.stdout
     cut_rows = train_rows()
     assert [m.keys() for m in cut_rows] == [m.keys() for m in whole_rows] and len(cut_rows) == 2
@@ -245,15 +245,15 @@ def test_every_script_trains_adapters_on_the_hub_like_model(script, chat_model, 
         "dpo.py": preference_file,
         "reward_model.py": preference_file,
     }[script](tmp_path / "data.jsonl")
-    flags = ["--model", str(chat_model), "--dataset", data, "--lora-r", "16", "--steps", "2", "--eval-every", "2"]
+    flags = ["--model", str(chat_model), "--dataset", data, *"--lora-r 16 --steps 2 --eval-every 2".split()]
     flags += {
         "sft.py": ["--batch-size", "8"],
         "dpo.py": ["--batch-size", "8"],
         "reward_model.py": ["--batch-size", "8"],
-        "grpo.py": ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "6", "--eval-size", "8"],
+        "grpo.py": "--prompts-per-step 4 --group-size 4 --max-new-tokens 6 --eval-size 8".split(),
         "ppo.py": ["--reward-model", str(char_reward_model), *TINY_PPO[2:], "--save-every", "2"],
     }[script]
-    proc = run_script(script, *flags, "--output-dir", "out", "--run-name", "r", cwd=tmp_path)
+    proc = run_script(script, *flags, *"--output-dir out --run-name r".split(), cwd=tmp_path)
     assert_counts_logged(tmp_path, "r", proc.stdout)
     assert "FutureWarning" not in proc.stderr, proc.stderr[-2000:]  # e.g. peft on transformers' renamed API
     if script == "reward_model.py":  # merged by default: config.reward_offset lives in the full model's config

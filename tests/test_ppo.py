@@ -96,12 +96,7 @@ def test_ppo_end_to_end(sft_run, reward_run, tmp_path):
         str(model_dir),
         "--reward-model",
         str(reward_run[1]),
-        "--steps",
-        "20",
-        "--eval-every",
-        "20",
-        "--run-name",
-        "p",
+        *"--steps 20 --eval-every 20 --run-name p".split(),
         cwd=tmp_path,
     )
     metrics = read_metrics(tmp_path, "p")
@@ -110,18 +105,9 @@ def test_ppo_end_to_end(sft_run, reward_run, tmp_path):
     assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.2, evals  # the defaults' first 20 rounds
     train = [m for m in metrics if "train/kl" in m]
     assert all(-0.05 < m["train/kl"] < 2 for m in train)  # a sampled estimate: ~0 at the start
-    for key in [
-        "train/score",
-        "train/rlhf_reward",
-        "train/clip_fraction",
-        "train/approx_kl",
-        "train/value_loss",
-        "train/value_clip_fraction",
-        "train/explained_variance",
-        "train/completions/clipped_ratio",
-        "train/grad_norm",
-    ]:
-        assert key in train[-1], key
+    names = "score rlhf_reward clip_fraction approx_kl value_loss value_clip_fraction explained_variance grad_norm"
+    for key in [*names.split(), "completions/clipped_ratio"]:
+        assert f"train/{key}" in train[-1], key
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "ppo") is not None
 
 
@@ -145,17 +131,7 @@ def test_grad_accumulation_takes_the_same_steps(sft_run, tmp_path):
         str(model_dir),
         "--reward-model",
         str(tmp_path / "rm"),
-        "--steps",
-        "3",
-        "--prompts-per-step",
-        "16",
-        "--lr",
-        "1e-3",
-        "--eval-every",
-        "100",
-        "--eval-size",
-        "8",
-        "--no-bf16",
+        *"--steps 3 --prompts-per-step 16 --lr 1e-3 --eval-every 100 --eval-size 8 --no-bf16".split(),
     ]  # equal to rounding: fp32
     for accum in ("1", "2"):
         run_script(

@@ -120,7 +120,7 @@ def test_dpo_end_to_end_raises_greedy_accuracy(sft_run, tmp_path):
     """Pairs sampled from π_ref (the default on the built-in task) raise held-out greedy accuracy."""
     _, model_dir, _ = sft_run
     out = run_script(
-        "dpo.py", "--model", str(model_dir), "--steps", "50", "--eval-every", "50", "--run-name", "d", cwd=tmp_path
+        "dpo.py", "--model", str(model_dir), *"--steps 50 --eval-every 50 --run-name d".split(), cwd=tmp_path
     ).stdout
     assert "had a right and a wrong one" in out
     metrics = read_metrics(tmp_path, "d")
@@ -145,16 +145,10 @@ def test_dpo_end_to_end_raises_greedy_accuracy(sft_run, tmp_path):
     ]
     assert pairs > 50 and right / pairs >= 0.9, (right, pairs)
     assert sum(m["train/rewards/margins"] for m in train[-10:]) > 0
-    for key in [
-        "train/loss",
-        "train/rewards/chosen",
-        "train/rewards/rejected",
-        "train/rewards/margins",
-        "train/rewards/accuracies",
-        "train/logps/chosen",
-        "train/logps/rejected",
-    ]:
-        assert key in train[0], key
+    for (
+        key
+    ) in "loss rewards/chosen rewards/rejected rewards/margins rewards/accuracies logps/chosen logps/rejected".split():
+        assert f"train/{key}" in train[0], key
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "dpo") is not None
     # RPO (--rpo-alpha): the chosen answers' NLL is added, so their log-probs end higher than with DPO alone
     # (same fixed pairs, 30 steps at lr 1e-4)
@@ -164,17 +158,7 @@ def test_dpo_end_to_end_raises_greedy_accuracy(sft_run, tmp_path):
             "dpo.py",
             "--model",
             str(model_dir),
-            "--sample-pairs",
-            "0",
-            "--steps",
-            "30",
-            "--lr",
-            "1e-4",
-            "--eval-every",
-            "1000",
-            "--eval-size",
-            "16",
-            "--rpo-alpha",
+            *"--sample-pairs 0 --steps 30 --lr 1e-4 --eval-every 1000 --eval-size 16 --rpo-alpha".split(),
             alpha,
             "--run-name",
             f"rpo{alpha}",
@@ -211,7 +195,7 @@ CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", ["explicit", "implicit", "explicit_chat", "implicit_chat"])
+@pytest.mark.parametrize("form", "explicit implicit explicit_chat implicit_chat".split())
 def test_preference_formats_from_files_train(sft_run, tmp_path, form):
     """Every TRL preference form runs through both scripts from a local file."""
     _, model_dir, _ = sft_run
@@ -240,12 +224,7 @@ def test_preference_formats_from_files_train(sft_run, tmp_path, form):
         str(tmp_path / "m"),
         "--dataset",
         str(tmp_path / "p.jsonl"),
-        "--steps",
-        "3",
-        "--batch-size",
-        "8",
-        "--eval-every",
-        "3",
+        *"--steps 3 --batch-size 8 --eval-every 3".split(),
     ]
     run_script("dpo.py", *common_args, "--run-name", "d", cwd=tmp_path)
     run_script("reward_model.py", *common_args, "--run-name", "r", cwd=tmp_path)

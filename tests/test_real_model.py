@@ -69,7 +69,7 @@ def llama3_style(chat_model):
     return tok
 
 
-@pytest.fixture(params=["smollm2", "qwen-like", "llama3-like"])
+@pytest.fixture(params="smollm2 qwen-like llama3-like".split())
 def chat_tokenizer(request, chat_model):
     if request.param == "smollm2":
         return common.load_tokenizer(request.getfixturevalue("smollm2"))
@@ -132,11 +132,9 @@ def test_smollm2_prompts_start_with_the_bos_its_template_writes(smollm2, tmp_pat
     assert tok.bos_token == "<|im_start|>" and tok("hi")["input_ids"][0] != tok.bos_token_id  # added by no one else
     rows = common.load_rows(write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_rows()), "train", "prompt", tok)
     prompt = common.tokenize_prompts(tok, rows, 1024)[0]
-    assert tok.convert_ids_to_tokens(prompt[:3]) == [
-        "<|im_start|>",
-        "system",
-        "Ċ",
-    ]  # the template's default system turn
+    assert (
+        tok.convert_ids_to_tokens(prompt[:3]) == "<|im_start|> system Ċ".split()
+    )  # the template's default system turn
 
 
 @pytest.mark.parametrize("script", [grpo, ppo])
@@ -160,8 +158,8 @@ def test_greedy_completions_equal_hf_generate_on_the_templates_ids(smollm2, scri
 def test_the_cards_command_takes_the_pretrained_defaults(chat_model, tmp_path):
     """`grpo.py --model <hub chat model> --dataset <GSM8K> --group-size 16`, as the card writes it (one step)."""
     data = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_rows())
-    flags = ["--model", str(chat_model), "--dataset", data, "--group-size", "16", "--steps", "1", "--eval-size", "2"]
-    proc = run_script("grpo.py", *flags, "--run-name", "card", "--output-dir", "out", cwd=tmp_path)
+    flags = ["--model", str(chat_model), "--dataset", data, *"--group-size 16 --steps 1 --eval-size 2".split()]
+    proc = run_script("grpo.py", *flags, *"--run-name card --output-dir out".split(), cwd=tmp_path)
     used = json.loads((tmp_path / "runs" / "card" / "args.json").read_text())
     pretrained = {name: v[1] for name, v in grpo.DEFAULTS.items() if name != "steps"}  # --steps 1: one step here
     assert {name: used[name] for name in pretrained} == pretrained and used["steps"] == 1
@@ -181,7 +179,7 @@ def test_the_built_in_task_keeps_its_tuned_defaults(tmp_path):
 
 
 # ---------------------------------------------------------------- every script on SmolLM2, a few steps
-SHORT = ["--eval-size", "2", "--eval-every", "2", "--max-new-tokens", "8"]
+SHORT = "--eval-size 2 --eval-every 2 --max-new-tokens 8".split()
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +190,8 @@ def data(tmp_path_factory):
 
 @pytest.mark.slow
 def test_sft_trains_smollm2_on_messages(smollm2, data, tmp_path):
-    flags = ["--model", str(smollm2), "--dataset", data["chat"], "--steps", "2", "--batch-size", "2", *SHORT]
-    run_script("sft.py", *flags, "--run-name", "r", "--output-dir", "out", cwd=tmp_path)
+    flags = ["--model", str(smollm2), "--dataset", data["chat"], *"--steps 2 --batch-size 2".split(), *SHORT]
+    run_script("sft.py", *flags, *"--run-name r --output-dir out".split(), cwd=tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     tok = common.load_tokenizer(tmp_path / "out")
     ids = template_ids(tok, [{"role": "user", "content": "Hi"}], add_generation_prompt=True)
@@ -205,8 +203,8 @@ def test_sft_trains_smollm2_on_messages(smollm2, data, tmp_path):
 def smollm2_reward(smollm2, data, tmp_path_factory):
     """A reward model trained from SmolLM2 for two steps on conversational pairs (reloaded by the test below)."""
     cwd = tmp_path_factory.mktemp("real-reward")
-    flags = ["--model", str(smollm2), "--dataset", data["chat"], "--steps", "2", "--batch-size", "2", *SHORT]
-    run_script("reward_model.py", *flags, "--run-name", "r", "--output-dir", "out", cwd=cwd)
+    flags = ["--model", str(smollm2), "--dataset", data["chat"], *"--steps 2 --batch-size 2".split(), *SHORT]
+    run_script("reward_model.py", *flags, *"--run-name r --output-dir out".split(), cwd=cwd)
     return cwd / "out"
 
 
@@ -222,12 +220,12 @@ def test_lora_adapters_train_on_smollm2(smollm2, data, script, tmp_path):
     from peft import PeftModel
 
     if script == "dpo.py":
-        flags = ["--dataset", data["chat"], "--steps", "2", "--batch-size", "2"]
+        flags = ["--dataset", data["chat"], *"--steps 2 --batch-size 2".split()]
     else:  # 4 new tokens: no answer fits, which the run says once
-        flags = ["--dataset", data["gsm8k"], "--steps", "1", "--prompts-per-step", "2", "--group-size", "2"]
+        flags = ["--dataset", data["gsm8k"], *"--steps 1 --prompts-per-step 2 --group-size 2".split()]
         flags += ["--grad-accum-steps", "2"]
     flags += ["--model", str(smollm2), "--lora-r", "8", *SHORT]
-    proc = run_script(script, *flags, "--max-new-tokens", "4", "--run-name", "r", "--output-dir", "out", cwd=tmp_path)
+    proc = run_script(script, *flags, *"--max-new-tokens 4 --run-name r --output-dir out".split(), cwd=tmp_path)
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm2), tmp_path / "out")
     assert sum("lora_" in name for name, _ in adapted.named_parameters()) > 0
     if script == "grpo.py":
@@ -237,8 +235,8 @@ def test_lora_adapters_train_on_smollm2(smollm2, data, script, tmp_path):
 @pytest.mark.slow
 def test_ppo_trains_smollm2_against_its_reward_model(smollm2, smollm2_reward, data, tmp_path):
     flags = ["--model", str(smollm2), "--reward-model", str(smollm2_reward), "--dataset", data["gsm8k"]]
-    flags += ["--steps", "1", "--prompts-per-step", "2", "--num-mini-batches", "1", *SHORT]
-    run_script("ppo.py", *flags, "--run-name", "r", "--output-dir", "out", cwd=tmp_path)
+    flags += [*"--steps 1 --prompts-per-step 2 --num-mini-batches 1".split(), *SHORT]
+    run_script("ppo.py", *flags, *"--run-name r --output-dir out".split(), cwd=tmp_path)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.model_type == "llama"
     assert read_metrics(tmp_path, "r")[-1]["step"] == 1
 

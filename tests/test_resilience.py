@@ -53,49 +53,24 @@ def models(sft_run, tmp_path_factory):
 
 
 SMALL = {  # a few quick steps of each script; {sft} and {reward} are filled from the fixture
-    "sft.py": ["--steps", "40", "--batch-size", "16", "--eval-every", "1000", "--eval-size", "16"],
+    "sft.py": "--steps 40 --batch-size 16 --eval-every 1000 --eval-size 16".split(),
     "reward_model.py": [
         "--model",
         "{sft}",
-        "--steps",
-        "40",
-        "--batch-size",
-        "8",
-        "--eval-every",
-        "1000",
-        "--eval-size",
-        "16",
-        "--sample-prompts",
-        "400",
+        *"--steps 40 --batch-size 8 --eval-every 1000 --eval-size 16 --sample-prompts 400".split(),
     ],
-    "dpo.py": ["--model", "{sft}", "--steps", "40", "--batch-size", "8", "--eval-every", "1000", "--eval-size", "16"],
+    "dpo.py": ["--model", "{sft}", *"--steps 40 --batch-size 8 --eval-every 1000 --eval-size 16".split()],
     "grpo.py": [
         "--model",
         "{sft}",
-        "--steps",
-        "20",
-        "--prompts-per-step",
-        "4",
-        "--group-size",
-        "4",
-        "--eval-every",
-        "1000",
-        "--eval-size",
-        "16",
+        *"--steps 20 --prompts-per-step 4 --group-size 4 --eval-every 1000 --eval-size 16".split(),
     ],
     "ppo.py": [
         "--model",
         "{sft}",
         "--reward-model",
         "{reward}",
-        "--steps",
-        "20",
-        "--prompts-per-step",
-        "8",
-        "--eval-every",
-        "1000",
-        "--eval-size",
-        "16",
+        *"--steps 20 --prompts-per-step 8 --eval-every 1000 --eval-size 16".split(),
     ],
 }
 
@@ -105,24 +80,20 @@ def small(script, models, *extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["sft.py", "reward_model.py", "dpo.py", "grpo.py"])
+@pytest.mark.parametrize("script", "sft.py reward_model.py dpo.py grpo.py".split())
 def test_kill_and_resume_reproduces_the_uninterrupted_run(script, models, tmp_path):
     """2N steps in one go == the same run SIGKILLed after a checkpoint and resumed: metrics and weights
     (bit-equal in practice; compared to float rounding)."""
-    run_script(script, *small(script, models, "--output-dir", "models/whole", "--run-name", "whole"), cwd=tmp_path)
+    run_script(script, *small(script, models, *"--output-dir models/whole --run-name whole".split()), cwd=tmp_path)
     proc = start_script(
-        script,
-        *small(script, models, "--output-dir", "models/cut", "--run-name", "cut", "--save-every", "4"),
-        cwd=tmp_path,
+        script, *small(script, models, *"--output-dir models/cut --run-name cut --save-every 4".split()), cwd=tmp_path
     )
     wait_until(lambda: (tmp_path / "models/cut/checkpoint-4").is_dir(), proc)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL and not (tmp_path / "models/cut/model.safetensors").exists()
     resumed = run_script(
-        script,
-        *small(script, models, "--output-dir", "models/cut", "--save-every", "4", "--resume", "latest"),
-        cwd=tmp_path,
+        script, *small(script, models, *"--output-dir models/cut --save-every 4 --resume latest".split()), cwd=tmp_path
     )
     assert "resuming from models/cut/checkpoint-" in resumed.stdout
     # Equal up to float rounding: CPU BLAS may round differently in another process (seen once in a full
@@ -175,9 +146,7 @@ def test_a_stop_signal_saves_a_checkpoint_and_exits_zero(script, sig, models, tm
     # dpo samples pairs for 2 × steps × batch prompts before training: with 100000 steps, fixed pairs instead
     extra = ["--sample-pairs", "0"] if script == "dpo.py" else []
     proc = start_script(
-        script,
-        *small(script, models, "--steps", "100000", "--run-name", "r", "--output-dir", "out", *extra),
-        cwd=tmp_path,
+        script, *small(script, models, *"--steps 100000 --run-name r --output-dir out".split(), *extra), cwd=tmp_path
     )
     metrics = tmp_path / "runs/r/metrics.jsonl"
     wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc)  # step 0 eval + training
@@ -209,7 +178,7 @@ def nan_model(tmp_path_factory):
 
 @pytest.mark.slow
 def test_nonfinite_loss_stops_the_run_naming_the_step(nan_model, tmp_path):
-    proc = run_script("sft.py", "--model", nan_model, "--steps", "3", "--eval-size", "8", cwd=tmp_path, check=False)
+    proc = run_script("sft.py", "--model", nan_model, *"--steps 3 --eval-size 8".split(), cwd=tmp_path, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert (
         "non-finite gradient norm (nan)" in proc.stderr

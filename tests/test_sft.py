@@ -114,10 +114,10 @@ def test_sft_in_cpu_bf16_follows_the_fp32_run(tmp_path):
     logged loss within a few percent, while the held-out loss falls by 40%. Where full-length runs land in each
     precision, over seeds, thread counts and processes, is benchmarks/sft_spread.py's table; `pytest --bf16`
     runs the session model's end-to-end checks in bf16 (emulated bf16 is several times slower on a CPU)."""
-    flags = ["--seed", "2", "--steps", "30", "--eval-every", "30", "--eval-size", "16"]
-    out = run_script("sft.py", *flags, "--bf16", "--run-name", "bf16", cwd=tmp_path).stdout
+    flags = "--seed 2 --steps 30 --eval-every 30 --eval-size 16".split()
+    out = run_script("sft.py", *flags, *"--bf16 --run-name bf16".split(), cwd=tmp_path).stdout
     assert "bf16 autocast" in out
-    run_script("sft.py", *flags, "--no-bf16", "--run-name", "fp32", "--output-dir", "models/fp32", cwd=tmp_path)
+    run_script("sft.py", *flags, *"--no-bf16 --run-name fp32 --output-dir models/fp32".split(), cwd=tmp_path)
     bf16, fp32 = (read_metrics(tmp_path, name) for name in ("bf16", "fp32"))
     losses = [(a[k], b[k]) for a, b in zip(bf16, fp32) for k in ("train/loss", "eval/loss") if k in a]
     assert len(losses) == 5 and losses[-1][1] < 0.6 * losses[0][1], losses
@@ -127,9 +127,7 @@ def test_sft_in_cpu_bf16_follows_the_fp32_run(tmp_path):
 
 @pytest.mark.slow
 def test_track_writes_an_offline_wandb_run(tmp_path):
-    run_script(
-        "sft.py", "--steps", "2", "--eval-every", "2", "--eval-size", "16", "--track", "--run-name", "wb", cwd=tmp_path
-    )
+    run_script(*"sft.py --steps 2 --eval-every 2 --eval-size 16 --track --run-name wb".split(), cwd=tmp_path)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     data = list(runs[0].glob("*.wandb"))
@@ -156,20 +154,8 @@ def test_sft_any_model_on_a_conversational_dataset(tmp_path, sft_run):
         str(tmp_path / "chat_model"),
         "--dataset",
         str(tmp_path / "double.jsonl"),
-        "--steps",
-        "60",
-        "--batch-size",
-        "32",
-        "--lr",
-        "1e-3",
-        "--warmup-steps",
-        "5",
-        "--eval-every",
-        "60",
-        "--output-dir",
-        "out",
-        "--run-name",
-        "chat",
+        *"--steps 60 --batch-size 32 --lr 1e-3 --warmup-steps 5 --eval-every 60".split(),
+        *"--output-dir out --run-name chat".split(),
         cwd=tmp_path,
     )
     losses = [m["eval/loss"] for m in read_metrics(tmp_path, "chat") if "eval/loss" in m]
@@ -189,16 +175,7 @@ def test_sft_on_plain_text_rows(tmp_path, sft_run):
         str(model_dir),
         "--dataset",
         str(tmp_path / "t.jsonl"),
-        "--steps",
-        "2",
-        "--batch-size",
-        "8",
-        "--eval-every",
-        "2",
-        "--output-dir",
-        "out",
-        "--run-name",
-        "txt",
+        *"--steps 2 --batch-size 8 --eval-every 2 --output-dir out --run-name txt".split(),
         cwd=tmp_path,
     )
     assert [m["step"] for m in read_metrics(tmp_path, "txt") if "eval/loss" in m] == [0, 2]
