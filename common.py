@@ -168,17 +168,37 @@ def is_builtin_model(path: str | None) -> bool:
 
 
 # ---------------------------------------------------------------- answers
+NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+
+
 def last_number(text: str) -> str | None:
     """The last number in a completion ('1,234' → '1234'), or None."""
-    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    found = re.findall(NUMBER, text)
     return found[-1].replace(",", "").rstrip(".") if found else None
 
 
+def marked_answer(text: str) -> str | None:
+    """The answer where a completion marks it: the number right after the last '####' (GSM8K), else the one in
+    the last \\boxed{}, else the last after 'answer is', else the whole completion when it is nothing but a
+    number (the built-in task); None when it marks none. Thousands separators dropped."""
+    after = re.match(r"\s*\$?(" + NUMBER + ")", text.rsplit("####", 1)[1]) if "####" in text else None
+    boxed = re.findall(r"\\boxed\{\s*\$?(" + NUMBER + r")\s*\}", text)
+    stated = re.findall(r"answer is:?\s*\$?(" + NUMBER + ")", text, re.I)
+    alone = re.fullmatch(r"\s*(" + NUMBER + r")\s*", text)
+    found = (after and after[1]) or (boxed and boxed[-1]) or (stated and stated[-1]) or (alone and alone[1])
+    return found.replace(",", "").rstrip(".") if found else None
+
+
+def final_answer(text: str) -> str | None:
+    """The answer a completion gives: the one it marks (marked_answer), else its last number, else None."""
+    return marked_answer(text) or last_number(text)
+
+
 def is_correct(completion: str, answer: str) -> bool:
-    """True when the completion's last number is the answer: the same digits, or the same value when neither
-    is written with a leading zero ('72.0' for GSM8K's '72'). With leading zeros only the digits count: the
-    arithmetic task's '0750' (570, little-endian) is not '750' (57)."""
-    guess = last_number(completion)
+    """True when the completion's final answer is the answer: the same digits, or the same value when neither is
+    written with a leading zero ('1,000', '1000' and '1000.0' are one value). With leading zeros only the digits
+    count: the arithmetic task's '0750' (570, little-endian) is not '750' (57)."""
+    guess, answer = final_answer(completion), answer.replace(",", "")
     if guess is None or guess == answer:
         return guess is not None
     if re.match(r"-?0\d", guess) or re.match(r"-?0\d", answer):
@@ -414,7 +434,8 @@ def load_raw(dataset: str, split: str, config: str | None = None) -> tuple[list[
 
 def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str | None = None) -> list[dict]:
     """Rows of `dataset` (`arithmetic`, a hub id or a local file) normalised to plain text for `kind`:
-    `sft` → prompt, completion; `prompt` → prompt, answer (None if unknown); `preference` → prompt,
+    `sft` → prompt, completion; `prompt` → prompt, answer (None if unknown), messages (chat prompts) and every
+    other column as it is (reward functions read them); `preference` → prompt,
     chosen, rejected (+ margin if present). Raises DataError, naming the missing column, on a bad format."""
     assert kind in FORMATS, kind
     if dataset == "arithmetic":
@@ -477,7 +498,10 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
             messages = prompt if is_conversational(prompt) else None  # kept: a reward model may render them its own way
             if messages:
                 prompt = render_chat(tokenizer, messages, add_generation_prompt=True)
-            out.append({"prompt": prompt, "answer": None if answer is None else str(answer), "messages": messages})
+            extra = {k: v for k, v in row.items() if k not in ("prompt", "messages")}  # for reward functions
+            out.append(
+                extra | {"prompt": prompt, "answer": None if answer is None else str(answer), "messages": messages}
+            )
         else:
             need("chosen", "rejected")
             chosen, rejected = text("chosen"), text("rejected")

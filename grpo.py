@@ -16,6 +16,7 @@ Shao et al. 2024, DeepSeekMath (arXiv:2402.03300); DeepSeek-R1 (arXiv:2501.12948
 
 import contextlib
 import copy
+import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,8 +30,12 @@ class Args:
     # models and data
     model: str = "models/sft"
     """policy to start from (hub id or path); also the frozen reference π_ref"""
+    reward_funcs: tuple[str, ...] | None = None
+    """r_i: reward functions, summed: built-ins accuracy, format, think_format, overlong, or your own with TRL's signature as `path/to/file.py:function` or `module.function` (default: accuracy; none with --reward-model)"""
+    reward_weights: tuple[float, ...] | None = None
+    """weight of each reward function, then of --reward-model (default: 1 each)"""
     reward_model: str | None = None
-    """score completions with this sequence-classification model instead of checking answers"""
+    """also score completions with this sequence-classification model r_ϕ (its name in the metrics: reward_model)"""
     dataset: str = "arithmetic"
     """`arithmetic` (built-in), `openai/gsm8k`, another hub id, or a local .jsonl/.json/.parquet prompt file"""
     dataset_config: str | None = None
@@ -71,8 +76,6 @@ class Args:
     """drop groups whose rewards are all equal and sample more prompts until the step has --prompts-per-step groups (DAPO)"""
     max_sampling_rounds: int = 4
     """with --dynamic-sampling: rounds of sampling at most per step; short of groups then, the step trains on those it has"""
-    format_reward: float = 0.0
-    """bonus for a completion that ends with EOS and contains a number (rule-based rewards only)"""
     # optimisation
     steps: int | None = None
     """optimisation rounds; each samples prompts_per_step × group_size completions (default: by run, see the table above)"""
@@ -125,6 +128,10 @@ class Args:
     """newest checkpoints kept; older ones are deleted"""
     resume: str | None = None
     """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
+
+    def __post_init__(self):
+        if self.reward_funcs is None:  # the answer check, unless a reward model scores instead
+            self.reward_funcs = () if self.reward_model else ("accuracy",)
 
 
 # The flags left at None above take a default that depends on the run: the built-in task's tuned value, or, with
@@ -255,26 +262,147 @@ def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, a
     return completion_ids * mask + tokenizer.pad_token_id * (1 - mask), mask, ended
 
 
-@torch.no_grad()
-def score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokenizer, args: Args) -> torch.Tensor:
-    """r_i [B]: answer correctness (+ a format bonus for a number before EOS), or the reward model's score."""
-    if reward_model is not None:
-        return score_completions(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args)
-    rewards = []
-    for row, text, done in zip(rows, texts, ended.tolist()):
+# ---------------------------------------------------------------- rewards r_i: functions with TRL's signature
+def completion_text(completion) -> str:
+    """A completion as reward functions receive it: a string, or [{"role": "assistant", "content": …}] in a chat."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def accuracy(completions, answer, **_) -> list[float | None]:
+    """1 when the completion's final answer is the row's, as numbers (common.final_answer: after '####', else in
+    the last \\boxed{}, else after 'answer is', else the last number), else 0; None where the row has no answer."""
+    return [None if a is None else float(common.is_correct(completion_text(c), a)) for c, a in zip(completions, answer)]
+
+
+def format_reward(completions, ended, **_) -> list[float]:
+    """1 when the completion ended with an EOS and marks its answer ('#### N', \\boxed{N}, 'the answer is N', or
+    nothing but the number: common.marked_answer), else 0: a number anywhere in the text earns nothing."""
+    return [float(done and common.marked_answer(completion_text(c)) is not None) for c, done in zip(completions, ended)]
+
+
+def think_format(completions, **_) -> list[float]:
+    """1 when the completion is one closed <think>…</think> block, first, then a non-empty answer (DeepSeek-R1)."""
+    texts = [completion_text(c) for c in completions]
+    pattern = re.compile(r"\s*<think>.*</think>\s*\S.*", re.S)
+    return [float(t.count("<think>") == t.count("</think>") == 1 and bool(pattern.fullmatch(t))) for t in texts]
+
+
+def overlong(completion_ids, max_completion_length, **_) -> list[float]:
+    """DAPO's soft overlong punishment (arXiv:2503.14476), L = |y|, L_max = max_completion_length, L_cache = L_max/5:
+    0 while L ≤ L_max − L_cache, then (L_max − L_cache − L) / L_cache, down to −1 at L = L_max."""
+    L_max = max_completion_length
+    L_cache = max(1, L_max // 5)
+    return [max(-1.0, min(0.0, (L_max - L_cache - len(ids)) / L_cache)) for ids in completion_ids]
+
+
+REWARD_FUNCS = {"accuracy": accuracy, "format": format_reward, "think_format": think_format, "overlong": overlong}
+
+
+def load_reward_funcs(names) -> list[tuple]:
+    """(name, function) for each --reward-funcs entry: a built-in (REWARD_FUNCS), `path/to/file.py:function`, or
+    `package.module.function` importable from the working directory (TRL's CLI convention)."""
+    funcs = []
+    for name in names:
         try:
-            bonus = args.format_reward * float(done and common.last_number(text) is not None)
-            rewards.append(float(common.is_correct(text, row["answer"])) + bonus)
+            if name in REWARD_FUNCS:
+                funcs.append((name, REWARD_FUNCS[name]))
+                continue
+            if ":" in name:
+                path, attr = name.rsplit(":", 1)
+                spec = importlib.util.spec_from_file_location(os.path.basename(path).removesuffix(".py"), path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+            elif "." in name:
+                sys.path[:0] = [] if os.getcwd() in sys.path else [os.getcwd()]
+                module_name, attr = name.rsplit(".", 1)
+                module = importlib.import_module(module_name)
+            else:
+                raise ValueError("no such built-in")
+            funcs.append((attr, getattr(module, attr)))
         except Exception as e:
-            fail(f"the reward function failed on completion {text!r} (prompt {row['prompt']!r}): {e!r}")
-    return torch.tensor(rewards, device=input_ids.device)
+            fail(
+                f"--reward-funcs {name}: {common.error_reason(e)} (give a built-in: {', '.join(REWARD_FUNCS)}; or "
+                "path/to/file.py:function or module.function)"
+            )
+    return funcs
+
+
+def call_reward_func(name: str, fn, kwargs: dict, n: int) -> list[float | None]:
+    """fn(**kwargs): one reward or None per completion; a function that raises or returns another number of them
+    stops the run with one line naming it and the first completion it fails on."""
+    try:
+        out = [None if r is None else float(r) for r in fn(**kwargs)]
+    except Exception as e:
+        for i in range(n):  # which completion does it fail on?
+            try:
+                fn(**{k: v[i : i + 1] if isinstance(v, list) else v for k, v in kwargs.items()})
+            except Exception as e_i:
+                fail(
+                    f"reward function {name} failed on completion {kwargs['completions'][i]!r:.200} of prompt "
+                    f"{kwargs['prompts'][i]!r:.200}: {common.error_reason(e_i)}"
+                )
+        fail(f"reward function {name} failed on a batch of {n} completions: {common.error_reason(e)}")
+    if len(out) != n:
+        fail(
+            f"reward function {name} returned {len(out)} rewards for {n} completions: it must return one per completion"
+        )
+    return out
 
 
 @torch.no_grad()
-def sample_groups(policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args: Args, device, autocast) -> dict:
+def score(sources, rows, texts, completion_ids, ended, input_ids, attention_mask, args: Args, step: int):
+    """r_i [B] = Σ_k w_k·r_k,i over the reward functions, then r_ϕ (a None skips its term: TRL's nansum), and each
+    source's rewards by name. Functions get TRL's keywords: prompts, completions (message lists for chat
+    prompts), completion_ids (to the first EOS), every other dataset column, trainer_state; and ended (stopped at
+    an EOS) and max_completion_length, for the built-ins."""
+    chat = [r.get("messages") is not None for r in rows]
+    kwargs = {k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompt", "messages")}
+    kwargs |= dict(
+        prompts=[r["messages"] if c else r["prompt"] for r, c in zip(rows, chat)],
+        completions=[[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)],
+        completion_ids=completion_ids,
+        trainer_state=SimpleNamespace(global_step=step, max_steps=args.steps),
+        ended=ended.tolist(),
+        max_completion_length=args.max_new_tokens,
+    )
+    values = {name: call_reward_func(name, fn, kwargs, len(rows)) for name, fn in sources.funcs}
+    if sources.model is not None:
+        values["reward_model"] = score_completions(
+            sources.model, sources.tokenizer, input_ids, attention_mask, rows, texts, ended, args
+        ).tolist()
+    table = torch.tensor([[math.nan if r is None else r for r in rs] for rs in values.values()])  # [sources, B]
+    if table.isnan().all(0).any():
+        common.warn_once("every reward source returned None for some completions: their reward is 0")
+    weights = torch.tensor(args.reward_weights or [1.0] * len(values)).unsqueeze(1)
+    return (weights * table).nansum(0).to(input_ids.device), values
+
+
+def reward_stats(values: dict) -> dict:
+    """rewards/<name>/mean and /std of each source over the completions it scored (None left out; TRL's names)."""
+    stats = {}
+    for name, rewards in values.items():
+        r = torch.tensor([x for x in rewards if x is not None] or [math.nan], dtype=torch.float64)
+        stats |= {f"rewards/{name}/mean": r.mean().item(), f"rewards/{name}/std": r.std().item() if len(r) > 1 else 0.0}
+    return stats
+
+
+def reward_rules(args: Args) -> list[tuple[bool, str]]:
+    """(broken, message) for the reward flags: something to reward, and one weight per source."""
+    n, w = len(args.reward_funcs) + bool(args.reward_model), args.reward_weights
+    return [
+        (n == 0, "nothing to reward: pass --reward-funcs, --reward-model or both"),
+        (
+            w is not None and len(w) != n,
+            f"--reward-weights has {len(w or ())} values for {n} reward sources (each of --reward-funcs, then --reward-model)",
+        ),
+    ]
+
+
+@torch.no_grad()
+def sample_groups(policy, tokenizer, eos_ids, rows, sources, args: Args, device, autocast, step: int) -> dict:
     """One round of steps 1–2: a completion of each row from π_θold (rows i*G … i*G+G-1: one prompt's group) and
     its reward r_i, as per-sequence lists: prompt ids, completion ids (to the first EOS), ended (with an
-    EOS, not cut by the length limit), rewards."""
+    EOS, not cut by the length limit), rewards, and each reward source's as rewards/<name>."""
     prompts = common.tokenize_prompts(tokenizer, rows, args.max_prompt_length)
     prompt_ids, prompt_mask = (t.to(device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
     policy.eval()
@@ -282,13 +410,14 @@ def sample_groups(policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, 
         completion_ids, mask, ended = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
-        rewards = score(rows, texts, input_ids, attention_mask, ended, reward_model, rm_tokenizer, args)
+        completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
+        rewards, values = score(sources, rows, texts, completions, ended, input_ids, attention_mask, args, step)
     policy.train()
-    completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
-    return {"prompts": prompts, "completions": completions, "ended": ended.tolist(), "rewards": rewards.tolist()}
+    sampled = {"prompts": prompts, "completions": completions, "ended": ended.tolist(), "rewards": rewards.tolist()}
+    return sampled | {f"rewards/{name}": v for name, v in values.items()}
 
 
-def sample_step(policy, tokenizer, eos_ids, train_rows, batches, reward_model, rm_tokenizer, args: Args, run, autocast):
+def sample_step(policy, tokenizer, eos_ids, train_rows, batches, sources, args: Args, run, autocast, step: int):
     """Steps 1–2 of an optimiser step: sample_groups on this process's next N = --prompts-per-step prompts. With
     --dynamic-sampling, groups whose rewards all tie (Â = 0) are dropped and another round sampled, until every
     process has N groups or --max-sampling-rounds is reached; each process then keeps as many as the fewest found
@@ -297,7 +426,7 @@ def sample_step(policy, tokenizer, eos_ids, train_rows, batches, reward_model, r
     sampled, kept, rounds = {}, {}, 0
     while True:
         rows = [train_rows[i] for i in process_share(next(batches), run, N) for _ in range(G)]
-        new = sample_groups(policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args, run.device, autocast)
+        new = sample_groups(policy, tokenizer, eos_ids, rows, sources, args, run.device, autocast, step)
         rounds += 1
         keep = informative_groups(torch.tensor(new["rewards"]), G).tolist() if args.dynamic_sampling else [True] * N
         for key, values in new.items():
@@ -356,9 +485,11 @@ def score_completions(reward_model, rm_tokenizer, input_ids, attention_mask, row
 
 def load_models(args: Args, run):
     """The tokenizer, π_θ (from the checkpoint on resume), π_ref (the starting policy, frozen; none when β = 0
-    or with LoRA) and r_ϕ with its tokenizer (None: rule-based rewards). Frozen models are held in bf16 with --bf16."""
+    or with LoRA) and the reward sources: the reward functions, r_ϕ and its tokenizer (None: no reward model, or
+    it reads the policy's tokens). Frozen models are held in bf16 with --bf16."""
     frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
-    ref, reward_model, rm_tokenizer = None, None, None
+    sources = SimpleNamespace(funcs=load_reward_funcs(args.reward_funcs), model=None, tokenizer=None)
+    ref = None
     path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
     tokenizer = common.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     policy = load_model(path, args.trust_remote_code)
@@ -369,14 +500,14 @@ def load_models(args: Args, run):
         ref = load_model(args.model, args.trust_remote_code) if run.checkpoint else copy.deepcopy(policy)
         ref.to(run.device, frozen_dtype).requires_grad_(False).eval()
     if args.reward_model:
-        reward_model, rm_tokenizer = load_reward_model(args.reward_model, tokenizer, args.trust_remote_code)
-        reward_model.to(run.device, frozen_dtype).requires_grad_(False).eval()
-    return tokenizer, policy, ref, reward_model, rm_tokenizer
+        sources.model, sources.tokenizer = load_reward_model(args.reward_model, tokenizer, args.trust_remote_code)
+        sources.model.to(run.device, frozen_dtype).requires_grad_(False).eval()
+    return tokenizer, policy, ref, sources
 
 
 # the flags checked below the banner (check_args), besides those every script has
 METHOD_POSITIVE = "prompts_per_step num_iterations clip_eps max_sampling_rounds temperature max_prompt_length".split()
-METHOD_NON_NEGATIVE = "beta format_reward".split()
+METHOD_NON_NEGATIVE = ["beta"]
 
 
 def method_rules(args: Args) -> list[tuple[bool, str]]:
@@ -386,20 +517,16 @@ def method_rules(args: Args) -> list[tuple[bool, str]]:
         (high is not None and not high >= 0, f"--clip-eps-high must be 0 or positive (got {high})"),
         (G < 2, f"--group-size must be at least 2: a group of one has no baseline (got {G})"),
         (accum > N * G, f"--grad-accum-steps ({accum}) must be at most --prompts-per-step × --group-size ({N * G})"),
-        (
-            args.format_reward and args.reward_model,
-            "--format-reward adds to the rule-based reward only: drop it or --reward-model",
-        ),
+        *reward_rules(args),
     ]
 
 
 @torch.no_grad()
-def evaluate(
-    policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args: Args, device, autocast
-) -> tuple[dict, list]:
-    """Greedy completions on held-out prompts: accuracy when answers exist, and the mean reward; every sample."""
+def evaluate(policy, tokenizer, eos_ids, rows, sources, args: Args, device, autocast, step: int) -> tuple[dict, list]:
+    """Greedy completions on held-out prompts: accuracy when answers exist, the mean reward and each source's; every
+    sample."""
     policy.eval()
-    rewards, texts = [], []
+    rewards, texts, values = [], [], {}
     for i in range(0, len(rows), 128):
         batch_rows = rows[i : i + 128]
         prompts = common.tokenize_prompts(tokenizer, batch_rows, args.max_prompt_length)
@@ -408,10 +535,12 @@ def evaluate(
             completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
             batch_texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             input_ids, attention_mask = torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1)
-            r = score(batch_rows, batch_texts, input_ids, attention_mask, ended, reward_model, rm_tokenizer, args)
+            completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), cmask.sum(1).tolist())]
+            r, v = score(sources, batch_rows, batch_texts, completions, ended, input_ids, attention_mask, args, step)
         rewards, texts = rewards + r.tolist(), texts + batch_texts
+        values = {name: values.get(name, []) + v[name] for name in v}
     policy.train()
-    metrics = {"eval/reward": sum(rewards) / len(rewards)}
+    metrics = {"eval/reward": sum(rewards) / len(rewards)} | {f"eval/{k}": v for k, v in reward_stats(values).items()}
     if all(x["answer"] is not None for x in rows):
         metrics["eval/accuracy"] = sum(common.is_correct(t, x["answer"]) for t, x in zip(texts, rows)) / len(rows)
     return metrics, [
@@ -423,7 +552,7 @@ def evaluate(
 def main(args: Args):
     run = start_run(args, "grpo")  # flags checked, --resume found, seeds set, torchrun's processes joined
     autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    tokenizer, policy, ref, reward_model, rm_tokenizer = load_models(args, run)
+    tokenizer, policy, ref, sources = load_models(args, run)
     trained = wrap(policy, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
     # every id that ends a completion (chat models: several)
     eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=run.device)
@@ -432,8 +561,14 @@ def main(args: Args):
 
     train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
-    if reward_model is None and any(r["answer"] is None for r in train_rows + eval_rows):
-        fail(f"dataset '{args.dataset}' has rows without an answer column; pass --reward-model to score completions")
+    if (
+        list(args.reward_funcs) == ["accuracy"]
+        and not args.reward_model
+        and any(r["answer"] is None for r in eval_rows)
+    ):
+        fail(
+            f"dataset '{args.dataset}' has rows without an answer, which accuracy needs: pass --reward-model or --reward-funcs"
+        )
     common.check_prompt_lengths(tokenizer, eval_rows, args.max_prompt_length)
     print(f"{len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
 
@@ -452,9 +587,7 @@ def main(args: Args):
         return {"extra_batches": run.extra_batches}
 
     def run_eval(step: int) -> dict:
-        metrics, samples = evaluate(
-            policy, tokenizer, eos_ids, eval_rows, reward_model, rm_tokenizer, args, run.device, autocast
-        )
+        metrics, samples = evaluate(policy, tokenizer, eos_ids, eval_rows, sources, args, run.device, autocast, step)
         return log_eval(run, step, metrics, samples)
 
     last_eval = run.first_eval or run_eval(0)
@@ -468,11 +601,11 @@ def main(args: Args):
         # 2. score them (r_i); --dynamic-sampling: groups whose rewards all tie are dropped and more prompts sampled
         t0 = time.time()
         sampled, kept, rounds = sample_step(
-            policy, tokenizer, eos_ids, train_rows, batches, reward_model, rm_tokenizer, args, run, autocast
+            policy, tokenizer, eos_ids, train_rows, batches, sources, args, run, autocast, step
         )
         gen_time, n_groups = time.time() - t0, len(kept["rewards"]) // G
         run.extra_batches += rounds - 1
-        totals, grad_norm = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0}, 0.0
+        totals, grad_norm = {"loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0}, 0.0  # + kl when β > 0
         if n_groups == 0:
             common.warn_once(
                 f"every group's rewards tied in {rounds} rounds of sampling: such a step trains on nothing"
@@ -503,7 +636,7 @@ def main(args: Args):
             # dapo averages over every token of the step, in all processes (DDP averages the processes' gradients)
             batch_tokens = over_processes({"tokens": loss_mask.sum().item()}, run.device)["tokens"]
             for _ in range(args.num_iterations):
-                totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0}
+                totals = {"loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0}
                 for k, s in enumerate(micro):
                     with gradient_sync(trained, last=k == len(micro) - 1):
                         with autocast:
@@ -520,7 +653,7 @@ def main(args: Args):
                     totals["loss"] += loss.item() * float(weight)
                     stats["entropy"] = (entropy * mask[s]).sum() / mask[s].sum()
                     for key in stats:
-                        totals[key] += stats[key].item() * len(logps) / len(input_ids)
+                        totals[key] = totals.get(key, 0.0) + stats[key].item() * len(logps) / len(input_ids)
                 grad_norm = optimizer_step(args, run, step, [policy], optimizer)
         schedule.step()
 
@@ -531,6 +664,7 @@ def main(args: Args):
             "lr": schedule.get_last_lr()[0],
             "reward": rewards.mean().item(),
             "reward_std": rewards.std().item(),
+            **reward_stats({k[8:]: v for k, v in sampled.items() if k.startswith("rewards/")}),
             "frac_reward_zero_std": (groups.max(1).values == groups.min(1).values).float().mean().item(),
             "completions/mean_length": sum(map(len, sampled["completions"])) / len(rewards),
             "completions/clipped_ratio": 1 - sum(sampled["ended"]) / len(rewards),  # cut by the length limit, no EOS
@@ -544,7 +678,7 @@ def main(args: Args):
             common.warn_once(
                 f"most completions hit the {args.max_new_tokens}-token limit without an EOS: raise --max-new-tokens"
             )
-        progress.set_postfix(reward=f"{metrics['train/reward']:.3f}", kl=f"{metrics['train/kl']:.4f}")
+        progress.set_postfix(reward=f"{metrics['train/reward']:.3f}", kl=f"{metrics.get('train/kl', 0):.4f}")
         if step % args.eval_every == 0 or step == args.steps:
             last_eval = run_eval(step)
         maybe_checkpoint(args, run, step, policy, tokenizer, optimizer, schedule, extra_state)

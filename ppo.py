@@ -16,6 +16,7 @@ arXiv:1506.02438) in PPO's clipped objective (Schulman et al. 2017, arXiv:1707.0
 
 import contextlib
 import copy
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +29,12 @@ class Args:
     # models and data
     model: str = "models/sft"
     """policy to start from (hub id or path); also the frozen reference π_ref"""
-    reward_model: str = "models/reward"
-    """reward model r_ϕ (sequence classification, one label); the critic V_ψ starts as a copy of it"""
+    reward_model: str | None = None
+    """reward model r_ϕ (sequence classification, one label); the critic V_ψ starts as a copy of it (default: models/reward, unless --reward-funcs are given)"""
+    reward_funcs: tuple[str, ...] = ()
+    """reward functions added to r_ϕ's score (or instead of it): built-ins accuracy, format, think_format, overlong, or your own with TRL's signature as `path/to/file.py:function` or `module.function`"""
+    reward_weights: tuple[float, ...] | None = None
+    """weight of each reward function, then of the reward model (default: 1 each)"""
     dataset: str = "arithmetic"
     """`arithmetic` (built-in), a hub id, or a local prompt .jsonl/.json/.parquet file"""
     dataset_config: str | None = None
@@ -120,6 +125,10 @@ class Args:
     """newest checkpoints kept; older ones are deleted"""
     resume: str | None = None
     """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
+
+    def __post_init__(self):
+        if self.reward_model is None and not self.reward_funcs:  # RLHF: the reward model of reward_model.py
+            self.reward_model = "models/reward"
 
 
 # The flags left at None above take a default that depends on the run: the built-in task's tuned value, or, with
@@ -240,6 +249,142 @@ def score_completions(reward_model, rm_tokenizer, input_ids, attention_mask, row
     return reward_scores(reward_model, input_ids, attention_mask) - getattr(reward_model.config, "reward_offset", 0.0)
 
 
+# ---------------------------------------------------------------- rewards r_i: functions with TRL's signature
+def completion_text(completion) -> str:
+    """A completion as reward functions receive it: a string, or [{"role": "assistant", "content": …}] in a chat."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def accuracy(completions, answer, **_) -> list[float | None]:
+    """1 when the completion's final answer is the row's, as numbers (common.final_answer: after '####', else in
+    the last \\boxed{}, else after 'answer is', else the last number), else 0; None where the row has no answer."""
+    return [None if a is None else float(common.is_correct(completion_text(c), a)) for c, a in zip(completions, answer)]
+
+
+def format_reward(completions, ended, **_) -> list[float]:
+    """1 when the completion ended with an EOS and marks its answer ('#### N', \\boxed{N}, 'the answer is N', or
+    nothing but the number: common.marked_answer), else 0: a number anywhere in the text earns nothing."""
+    return [float(done and common.marked_answer(completion_text(c)) is not None) for c, done in zip(completions, ended)]
+
+
+def think_format(completions, **_) -> list[float]:
+    """1 when the completion is one closed <think>…</think> block, first, then a non-empty answer (DeepSeek-R1)."""
+    texts = [completion_text(c) for c in completions]
+    pattern = re.compile(r"\s*<think>.*</think>\s*\S.*", re.S)
+    return [float(t.count("<think>") == t.count("</think>") == 1 and bool(pattern.fullmatch(t))) for t in texts]
+
+
+def overlong(completion_ids, max_completion_length, **_) -> list[float]:
+    """DAPO's soft overlong punishment (arXiv:2503.14476), L = |y|, L_max = max_completion_length, L_cache = L_max/5:
+    0 while L ≤ L_max − L_cache, then (L_max − L_cache − L) / L_cache, down to −1 at L = L_max."""
+    L_max = max_completion_length
+    L_cache = max(1, L_max // 5)
+    return [max(-1.0, min(0.0, (L_max - L_cache - len(ids)) / L_cache)) for ids in completion_ids]
+
+
+REWARD_FUNCS = {"accuracy": accuracy, "format": format_reward, "think_format": think_format, "overlong": overlong}
+
+
+def load_reward_funcs(names) -> list[tuple]:
+    """(name, function) for each --reward-funcs entry: a built-in (REWARD_FUNCS), `path/to/file.py:function`, or
+    `package.module.function` importable from the working directory (TRL's CLI convention)."""
+    funcs = []
+    for name in names:
+        try:
+            if name in REWARD_FUNCS:
+                funcs.append((name, REWARD_FUNCS[name]))
+                continue
+            if ":" in name:
+                path, attr = name.rsplit(":", 1)
+                spec = importlib.util.spec_from_file_location(os.path.basename(path).removesuffix(".py"), path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+            elif "." in name:
+                sys.path[:0] = [] if os.getcwd() in sys.path else [os.getcwd()]
+                module_name, attr = name.rsplit(".", 1)
+                module = importlib.import_module(module_name)
+            else:
+                raise ValueError("no such built-in")
+            funcs.append((attr, getattr(module, attr)))
+        except Exception as e:
+            fail(
+                f"--reward-funcs {name}: {common.error_reason(e)} (give a built-in: {', '.join(REWARD_FUNCS)}; or "
+                "path/to/file.py:function or module.function)"
+            )
+    return funcs
+
+
+def call_reward_func(name: str, fn, kwargs: dict, n: int) -> list[float | None]:
+    """fn(**kwargs): one reward or None per completion; a function that raises or returns another number of them
+    stops the run with one line naming it and the first completion it fails on."""
+    try:
+        out = [None if r is None else float(r) for r in fn(**kwargs)]
+    except Exception as e:
+        for i in range(n):  # which completion does it fail on?
+            try:
+                fn(**{k: v[i : i + 1] if isinstance(v, list) else v for k, v in kwargs.items()})
+            except Exception as e_i:
+                fail(
+                    f"reward function {name} failed on completion {kwargs['completions'][i]!r:.200} of prompt "
+                    f"{kwargs['prompts'][i]!r:.200}: {common.error_reason(e_i)}"
+                )
+        fail(f"reward function {name} failed on a batch of {n} completions: {common.error_reason(e)}")
+    if len(out) != n:
+        fail(
+            f"reward function {name} returned {len(out)} rewards for {n} completions: it must return one per completion"
+        )
+    return out
+
+
+@torch.no_grad()
+def score(sources, rows, texts, completion_ids, ended, input_ids, attention_mask, args: Args, step: int):
+    """r_i [B] = Σ_k w_k·r_k,i over the reward functions, then r_ϕ (a None skips its term: TRL's nansum), and each
+    source's rewards by name. Functions get TRL's keywords: prompts, completions (message lists for chat
+    prompts), completion_ids (to the first EOS), every other dataset column, trainer_state; and ended (stopped at
+    an EOS) and max_completion_length, for the built-ins."""
+    chat = [r.get("messages") is not None for r in rows]
+    kwargs = {k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompt", "messages")}
+    kwargs |= dict(
+        prompts=[r["messages"] if c else r["prompt"] for r, c in zip(rows, chat)],
+        completions=[[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)],
+        completion_ids=completion_ids,
+        trainer_state=SimpleNamespace(global_step=step, max_steps=args.steps),
+        ended=ended.tolist(),
+        max_completion_length=args.max_new_tokens,
+    )
+    values = {name: call_reward_func(name, fn, kwargs, len(rows)) for name, fn in sources.funcs}
+    if sources.model is not None:
+        values["reward_model"] = score_completions(
+            sources.model, sources.tokenizer, input_ids, attention_mask, rows, texts, ended, args
+        ).tolist()
+    table = torch.tensor([[math.nan if r is None else r for r in rs] for rs in values.values()])  # [sources, B]
+    if table.isnan().all(0).any():
+        common.warn_once("every reward source returned None for some completions: their reward is 0")
+    weights = torch.tensor(args.reward_weights or [1.0] * len(values)).unsqueeze(1)
+    return (weights * table).nansum(0).to(input_ids.device), values
+
+
+def reward_stats(values: dict) -> dict:
+    """rewards/<name>/mean and /std of each source over the completions it scored (None left out; TRL's names)."""
+    stats = {}
+    for name, rewards in values.items():
+        r = torch.tensor([x for x in rewards if x is not None] or [math.nan], dtype=torch.float64)
+        stats |= {f"rewards/{name}/mean": r.mean().item(), f"rewards/{name}/std": r.std().item() if len(r) > 1 else 0.0}
+    return stats
+
+
+def reward_rules(args: Args) -> list[tuple[bool, str]]:
+    """(broken, message) for the reward flags: something to reward, and one weight per source."""
+    n, w = len(args.reward_funcs) + bool(args.reward_model), args.reward_weights
+    return [
+        (n == 0, "nothing to reward: pass --reward-funcs, --reward-model or both"),
+        (
+            w is not None and len(w) != n,
+            f"--reward-weights has {len(w or ())} values for {n} reward sources (each of --reward-funcs, then --reward-model)",
+        ),
+    ]
+
+
 @contextlib.contextmanager
 def reference_policy(policy, ref):
     """π_ref for a block of code: the frozen reference model, or with LoRA (ref None) the policy's own frozen
@@ -277,8 +422,10 @@ def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
 def load_models(args: Args, run):
     """Four models: the policy π_θ and critic V_ψ train (from the checkpoint on resume); the reference π_ref
     (the starting policy; None with LoRA: the policy with its adapter switched off) and the reward model r_ϕ
-    are frozen, held in bf16 with --bf16. Also the tokenizer and r_ϕ's own (None when it reads the policy's tokens)."""
+    are frozen, held in bf16 with --bf16. Also the tokenizer and the reward sources: the reward functions, r_ϕ
+    and its tokenizer (None: no reward model, or it reads the policy's tokens)."""
     frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    sources = SimpleNamespace(funcs=load_reward_funcs(args.reward_funcs), model=None, tokenizer=None)
     ref, critic_checkpoint = None, run.checkpoint and os.path.join(run.checkpoint, "critic")
     path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
     tokenizer = common.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
@@ -287,22 +434,22 @@ def load_models(args: Args, run):
     if not args.lora_r:  # LoRA: π_ref is the policy with its adapter switched off
         ref = load_model(args.model, args.trust_remote_code) if run.checkpoint else copy.deepcopy(policy)
         ref.to(run.device, frozen_dtype).requires_grad_(False).eval()
-    reward_model, rm_tokenizer = load_reward_model(args.reward_model, tokenizer, args.trust_remote_code)
+    if args.reward_model:
+        sources.model, sources.tokenizer = load_reward_model(args.reward_model, tokenizer, args.trust_remote_code)
     if critic_checkpoint and not args.lora_r:
         critic = load_model(critic_checkpoint, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-    elif rm_tokenizer is None:  # V_ψ starts from r_ϕ: it already knows what scores well
-        critic = copy.deepcopy(reward_model)
-    else:  # V_ψ reads the policy's tokens, which r_ϕ cannot: the policy's weights with a new value head
+    elif sources.model is not None and sources.tokenizer is None:  # V_ψ starts from r_ϕ: it knows what scores well
+        critic = copy.deepcopy(sources.model)
+    else:  # no r_ϕ, or one that cannot read the policy's tokens: the policy's weights with a new value head
         critic = load_model(args.model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-        print(
-            "note: the critic starts from the policy with a new value head (the reward model reads another vocabulary)"
-        )
+        print("note: the critic starts from the policy with a new value head")
     critic = add_lora(critic, args, "SEQ_CLS", adapter=critic_checkpoint).to(run.device)
-    reward_model.to(run.device, frozen_dtype).requires_grad_(False).eval()
+    if sources.model is not None:
+        sources.model.to(run.device, frozen_dtype).requires_grad_(False).eval()
     if args.gradient_checkpointing:
         for model in (policy, critic):
             enable_gradient_checkpointing(model)
-    return tokenizer, policy, critic, ref, reward_model, rm_tokenizer
+    return tokenizer, policy, critic, ref, sources
 
 
 # the flags checked below the banner (check_args), besides those every script has
@@ -321,16 +468,16 @@ def method_rules(args: Args) -> list[tuple[bool, str]]:
         (N < M * accum, f"--prompts-per-step ({N}) must be at least --num-mini-batches × --grad-accum-steps"),
         (N % M != 0, f"--prompts-per-step ({N}) must be divisible by --num-mini-batches ({M})"),
         (not (0 <= lam <= 1 and 0 <= gamma <= 1), f"--gamma and --lam must be in [0, 1] (got {gamma}, {lam})"),
+        *reward_rules(args),
     ]
 
 
 @torch.no_grad()
-def evaluate(
-    policy, tokenizer, eos_ids, rows, reward_model, rm_tokenizer, args: Args, device, autocast
-) -> tuple[dict, list]:
-    """Greedy completions on held-out prompts: accuracy when answers exist, and the mean score; every sample."""
+def evaluate(policy, tokenizer, eos_ids, rows, sources, args: Args, device, autocast, step: int) -> tuple[dict, list]:
+    """Greedy completions on held-out prompts: accuracy when answers exist, the mean score and each reward source's;
+    every sample."""
     policy.eval()
-    scores, texts = [], []
+    scores, texts, values = [], [], {}
     for i in range(0, len(rows), 128):
         batch_rows = rows[i : i + 128]
         prompts = common.tokenize_prompts(tokenizer, batch_rows, args.max_prompt_length)
@@ -339,12 +486,12 @@ def evaluate(
             completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
             batch_texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             input_ids, attention_mask = torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1)
-            s = score_completions(
-                reward_model, rm_tokenizer, input_ids, attention_mask, batch_rows, batch_texts, ended, args
-            )
+            completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), cmask.sum(1).tolist())]
+            s, v = score(sources, batch_rows, batch_texts, completions, ended, input_ids, attention_mask, args, step)
         scores, texts = scores + s.tolist(), texts + batch_texts
+        values = {name: values.get(name, []) + v[name] for name in v}
     policy.train()
-    metrics = {"eval/score": sum(scores) / len(scores)}
+    metrics = {"eval/score": sum(scores) / len(scores)} | {f"eval/{k}": v for k, v in reward_stats(values).items()}
     if all(r["answer"] is not None for r in rows):
         metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
     return metrics, [
@@ -356,7 +503,7 @@ def evaluate(
 def main(args: Args):
     run = start_run(args, "ppo")  # flags checked, --resume found, seeds set, torchrun's processes joined
     autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    tokenizer, policy, critic, ref, reward_model, rm_tokenizer = load_models(args, run)
+    tokenizer, policy, critic, ref, sources = load_models(args, run)
     # every id that ends a completion (chat models: several)
     eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=run.device)
     trained = wrap(policy, args, run.device)  # the policy's training forward goes through the DDP/FSDP2 wrapper
@@ -378,9 +525,7 @@ def main(args: Args):
     batches, progress = begin_training(args, run, both, optimizer, schedule, len(train_rows), step_rows)
 
     def run_eval(step: int) -> dict:
-        metrics, samples = evaluate(
-            policy, tokenizer, eos_ids, eval_rows, reward_model, rm_tokenizer, args, run.device, autocast
-        )
+        metrics, samples = evaluate(policy, tokenizer, eos_ids, eval_rows, sources, args, run.device, autocast, step)
         return log_eval(run, step, metrics, samples)
 
     last_eval = run.first_eval or run_eval(0)
@@ -403,7 +548,8 @@ def main(args: Args):
                 ref_logps = forward_logps(pi_ref, input_ids, attention_mask, T, args.temperature)
             old_values = critic_values(critic, input_ids, attention_mask, T)
             texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            scores = score_completions(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args)
+            completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
+            scores, by_source = score(sources, rows, texts, completions, ended, input_ids, attention_mask, args, step)
         scores = scores - args.missing_eos_penalty * (~ended).float()
 
         # 2. per-token rewards with the KL penalty, GAE advantages Â (whitened over the batch) and returns
@@ -447,6 +593,7 @@ def main(args: Args):
         kl = ((old_logps - ref_logps) * mask).sum(1)  # per-sequence KL estimate to the reference
         stats |= {
             "score": scores.mean().item(),
+            **reward_stats(by_source),
             "kl": kl.mean().item(),
             "rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
             "explained_variance": explained_variance(old_values, returns, mask),

@@ -27,6 +27,7 @@ when it is drawn, inside the step). Peak memory is each process's peak RSS.
 """
 
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -34,6 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
@@ -230,6 +232,46 @@ def grpo_agreement(policy, tokenizer) -> list[tuple[str, float, float, float]]:
             (trl_grad,) = torch.autograd.grad(trl_loss, logps)
             rows.append((name, ours_loss.item(), trl_loss.item(), (ours_grad - trl_grad).abs().max().item()))
     return rows
+
+
+def reward_agreement(policy, tokenizer) -> tuple[float, float]:
+    """grpo.score's summed rewards next to TRL's: GRPOTrainer._calculate_rewards, then its weighted nansum, for the
+    same rows (one without an answer, an extra column), completions, reward functions (a built-in, one reading
+    the extra column, one that returns None) and weights. Returns (max |ours − TRL's| summed, per function)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    def shaped(completions, bonus, **_):
+        return [b * len(c) for c, b in zip(completions, bonus)]
+
+    def only_short(completions, **_):
+        return [1.0 if len(c) < 3 else None for c in completions]
+
+    funcs, weights = [grpo.accuracy, shaped, only_short], [1.0, 0.5, -2.0]
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a) if a % 3 else None, "bonus": a / 4} for a in range(6)]
+    completions = ["2", "#### 2", "xyz", "6", "the answer is 8", "10"]
+    completion_ids = [common.tokenize(tokenizer, [c], add_eos=True)[0] for c in completions]
+    ended = torch.tensor([True] * len(rows))
+    sources = SimpleNamespace(funcs=[(f.__name__, f) for f in funcs], model=None, tokenizer=None)
+    args = grpo.Args(reward_weights=tuple(weights), max_new_tokens=8, steps=1)
+    ours, values = grpo.score(sources, rows, completions, completion_ids, ended, torch.zeros(6, 1), None, args, 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = GRPOConfig(
+            output_dir=tmp, use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=6, num_generations=2,
+            gradient_checkpointing=False, reward_weights=weights,
+        )  # fmt: skip
+        trainer = GRPOTrainer(
+            model=policy,
+            reward_funcs=funcs,
+            args=config,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+        )
+        per_func = trainer._calculate_rewards(rows, [r["prompt"] for r in rows], completions, completion_ids)
+        theirs = (per_func * trainer.reward_weights.unsqueeze(0)).nansum(dim=1)
+    ours_table = torch.tensor([[math.nan if v is None else v for v in vs] for vs in values.values()]).T
+    per_func_diff = (ours_table.nan_to_num(-99) - per_func.nan_to_num(-99)).abs().max().item()
+    return (ours - theirs).abs().max().item(), per_func_diff
 
 
 # ---------------------------------------------------------------- speed
@@ -507,6 +549,14 @@ def main(args: Args):
         lines.append(
             f"| {name} | {x:.8f} | {y:.8f} | {rel:.1e} | {grad:.1e} | {'yes' if rel <= 1e-4 and grad <= 1e-6 else 'NO'} |"
         )
+    summed, per_func = reward_agreement(policy, tokenizer)
+    rewards_agree = summed <= 1e-6 and per_func <= 1e-6
+    lines += [
+        "",
+        "| GRPO rewards on identical completions (3 functions, weights 1, 0.5, −2, None in some rows) | max difference, summed | max difference, per function | equal |",
+        "|---|---|---|---|",
+        f"| `grpo.score` vs TRL's `_calculate_rewards` + weighted nansum | {summed:.1e} | {per_func:.1e} | {'yes' if rewards_agree else 'NO'} |",
+    ]
     text = (
         f"### {args.size} model ({n_params / 1e6:.2f}M parameters), {args.pairs} pairs of the built-in task, CPU fp32\n\n"
         + "\n".join(lines)
@@ -518,8 +568,10 @@ def main(args: Args):
     print(text)
     if args.write:
         write_section(f"vs_trl_agreement_{args.size}", text)
-    if any(abs(a[k] - b[k]) / abs(b[k]) > 1e-4 for k in a) or any(
-        abs(x - y) / abs(y) > 1e-4 or g > 1e-6 for _, x, y, g in variants
+    if (
+        any(abs(a[k] - b[k]) / abs(b[k]) > 1e-4 for k in a)
+        or any(abs(x - y) / abs(y) > 1e-4 or g > 1e-6 for _, x, y, g in variants)
+        or not rewards_agree
     ):
         sys.exit("the losses disagree beyond 1e-4 relative")
 

@@ -233,9 +233,15 @@ def test_prompt_rows(tmp_path, chat_tokenizer):
     assert rows[0] == {"prompt": "<user>hi\n<assistant>", "answer": None, "messages": msgs}  # kept for other tokenizers
     gsm = [{"question": "How many?", "answer": "so\n#### 42"}] * 3
     plain = common.load_rows(write(tmp_path / "g.jsonl", gsm), "train", "prompt", common.build_char_tokenizer())[0]
-    assert plain == {"prompt": "How many?\n", "answer": "42", "messages": None}
+    assert plain == {
+        "question": "How many?",
+        "prompt": "How many?\n",
+        "answer": "42",
+        "messages": None,
+    }  # every column kept
     chat = common.load_rows(str(tmp_path / "g.jsonl"), "train", "prompt", chat_tokenizer)[0]
     assert chat == {
+        "question": "How many?",
         "prompt": "<user>How many?\n<assistant>",
         "answer": "42",
         "messages": [{"role": "user", "content": "How many?"}],

@@ -19,6 +19,12 @@ COPIES = {  # the method helpers above the banner that several scripts share
     "greedy_completions": ["sft", "dpo"],
     "load_reward_model": ["grpo", "ppo"],
     "score_completions": ["grpo", "ppo"],  # r_ϕ(x, y) of sampled completions
+    # reward functions in TRL's convention, their loading, calling, summing and metrics
+    **dict.fromkeys(
+        "completion_text accuracy format_reward think_format overlong load_reward_funcs call_reward_func score "
+        "reward_stats reward_rules".split(),
+        ["grpo", "ppo"],
+    ),
 }
 
 
