@@ -227,7 +227,7 @@ def test_rule_rewards_raise_held_out_accuracy(script, flags, sft_run, tmp_path):
     run_script(script, "--model", str(model_dir), *flags.split(), "--run-name", "r", cwd=tmp_path)
     metrics = read_metrics(tmp_path, "r")
     evals = [m for m in metrics if "eval/accuracy" in m]
-    assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.2, evals  # +0.35 or more in seeds 1-3
+    assert evals[-1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.2, evals  # margin: RESULTS.md, seeds 1-3
     train = [m for m in metrics if "train/rewards/accuracy/mean" in m]
     assert train[-1]["train/rewards/accuracy/mean"] > train[0]["train/rewards/accuracy/mean"]
     assert evals[-1]["eval/rewards/accuracy/mean"] == pytest.approx(
