@@ -12,6 +12,7 @@ arXiv:1506.02438) in PPO's clipped objective (Schulman et al. 2017, arXiv:1707.0
 
     python ppo.py                                    # after `python sft.py` and `python reward_model.py`
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --reward-model <rm> --dataset trl-lib/tldr --max-new-tokens 64
+    python ppo.py --reward-funcs accuracy            # a rule-based reward instead of r_ϕ (grpo.py's --reward-funcs)
 """
 
 import contextlib

@@ -205,8 +205,10 @@ def trl_worker(args: Args):
     """One TRL run of the stage's recipe, in this process; writes its step-end times to out/trl.json."""
     import transformers
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
+
+    from benchmarks.vs_trl import TRL_CPU, step_end_times
 
     transformers.utils.logging.set_verbosity_error()
     out, s = Path(args.out), RECIPES[args.worker]["settings"]
@@ -216,26 +218,7 @@ def trl_worker(args: Args):
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     rows = rows[: len(rows) - min(500, len(rows) // 10)]  # the training split
     times = []
-
-    class StepTimes(TrainerCallback):
-        def on_step_end(self, *_, **__):
-            times.append(time.time())
-
-    common = dict(
-        output_dir=str(out / "trl"),
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        max_grad_norm=1.0,
-        weight_decay=0.0,
-        use_cpu=True,
-        bf16=False,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        dataloader_num_workers=0,
-        seed=args.seed,
-        gradient_checkpointing=False,
-    )
+    settings = dict(output_dir=str(out / "trl"), seed=args.seed, gradient_checkpointing=False, **TRL_CPU)
     if args.worker == "grpo":
         dataset = Dataset.from_list(
             [
@@ -264,7 +247,7 @@ def trl_worker(args: Args):
             epsilon=0.2,
             loss_type=s["loss_type"],
             scale_rewards="group",
-            **common,
+            **settings,
         )
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         trainer = GRPOTrainer(
@@ -273,7 +256,7 @@ def trl_worker(args: Args):
             args=config,
             train_dataset=dataset,
             processing_class=tokenizer,
-            callbacks=[StepTimes()],
+            callbacks=[step_end_times(times)],
         )
     trainer.train()
     trainer.save_model(str(out / "model"))

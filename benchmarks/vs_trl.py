@@ -321,10 +321,34 @@ def ours_flags(method: str, args: Args, model: Path, data: dict, out: Path) -> l
     return flags + ["--dataset", str(data["preference"]), "--batch-size", str(args.batch_size)]
 
 
+# TRL's trainers set as ours run on the CPU: fp32, a constant learning rate, no warm-up, no saving or reporting
+TRL_CPU = dict(
+    lr_scheduler_type="constant",
+    warmup_steps=0,
+    max_grad_norm=1.0,
+    use_cpu=True,
+    bf16=False,
+    report_to=[],
+    logging_steps=1,
+    save_strategy="no",
+    dataloader_num_workers=0,
+)
+
+
+def step_end_times(times: list):
+    """A TRL callback appending the wall time at the end of each optimiser step to `times`."""
+    from transformers import TrainerCallback
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            times.append(time.time())
+
+    return StepTimes()
+
+
 def trl_worker(args: Args):
     """One TRL training run with the hyperparameters of ours_flags; writes its step-end times and logs."""
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer
 
     transformers.utils.logging.set_verbosity_error()
@@ -332,27 +356,14 @@ def trl_worker(args: Args):
     kind = "prompt" if args.worker == "grpo" else "preference"
     data = Dataset.from_list(common.load_raw(str(Path(args.out).parent.parent / f"{kind}.jsonl"), "train")[0])
     times = []
-
-    class StepTimes(TrainerCallback):
-        def on_step_end(self, *_, **__):
-            times.append(time.time())
-
     with tempfile.TemporaryDirectory() as tmp:
         config = dict(
             output_dir=tmp,
             max_steps=args.steps,
             learning_rate=LR[args.worker],
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            max_grad_norm=1.0,
-            use_cpu=True,
-            bf16=False,
-            report_to=[],
-            logging_steps=1,
-            save_strategy="no",
-            dataloader_num_workers=0,
             seed=1,
             gradient_checkpointing=args.gradient_checkpointing,
+            **TRL_CPU,
         )
         if args.worker == "grpo":
 
@@ -379,7 +390,7 @@ def trl_worker(args: Args):
                 args=config,
                 train_dataset=data,
                 processing_class=tokenizer,
-                callbacks=[StepTimes()],
+                callbacks=[step_end_times(times)],
             )
         elif args.worker == "dpo":
             config = DPOConfig(per_device_train_batch_size=args.batch_size, beta=args.beta, max_length=None, **config)
@@ -388,13 +399,17 @@ def trl_worker(args: Args):
                 args=config,
                 train_dataset=data,
                 processing_class=tokenizer,
-                callbacks=[StepTimes()],
+                callbacks=[step_end_times(times)],
             )
         else:
             config = RewardConfig(per_device_train_batch_size=args.batch_size, max_length=None, **config)
             model = AutoModelForSequenceClassification.from_pretrained(args.model_dir, num_labels=1)
             trainer = RewardTrainer(
-                model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[StepTimes()]
+                model=model,
+                args=config,
+                train_dataset=data,
+                processing_class=tokenizer,
+                callbacks=[step_end_times(times)],
             )
         trainer.train()
         trainer.save_model(tmp)  # ours saves its model too
