@@ -524,6 +524,15 @@ def load_rows(dataset: str, split: str, kind: str, tokenizer=None, config: str |
     return out
 
 
+def prompts_with_answers(dataset: str, config: str | None = None) -> bool:
+    """Whether `dataset` holds prompts with answers (GSM8K's question/answer, or prompt/answer) and no preference
+    pairs: a script's pairs are then sampled from a model and labelled by the answers."""
+    if dataset == "arithmetic":
+        return False
+    columns = set((load_raw(dataset, "train", config)[0] or [{}])[0])
+    return not {"chosen", "rejected"} <= columns and "answer" in columns and bool({"question", "prompt"} & columns)
+
+
 def check_prompt_lengths(tokenizer, rows: list[dict], max_length: int):
     """At start, on the held-out prompts: those longer than max_length are counted, and a limit that no prompt
     fits is a setting error (DataError). Training prompts are tokenized a batch at a time, as they are drawn."""

@@ -2,8 +2,8 @@
 
 The optimal policy of max 𝔼[r] − β·D_KL[π ‖ π_ref] satisfies r(x, y) = β·log(π(y|x) / π_ref(y|x)) + β·log Z(x).
 In Bradley–Terry Z(x) cancels: the policy learns from preference pairs y_w ≻ y_l directly, with no reward model and
-no sampling while training (Rafailov et al. 2023); on the built-in task the pairs are π_ref's own right and wrong
-samples, drawn once before training (`--sample-pairs 0`: the task's fixed pairs):
+no sampling while training (Rafailov et al. 2023); on the built-in task, or prompts with answers (GSM8K's format),
+the pairs are π_ref's own right and wrong samples, drawn once before training (`--sample-pairs 0`: fixed pairs):
 
     h = log π_θ(y_w|x)/π_ref(y_w|x) − log π_θ(y_l|x)/π_ref(y_l|x)
     ℒ_DPO(θ) = −𝔼[ log σ(β·h) ]         (label smoothing ls: −(1−ls)·log σ(βh) − ls·log σ(−βh))
@@ -33,7 +33,7 @@ class Args:
     ref_model: str | None = None
     """reference π_ref (hub id or path); default: a frozen copy of the starting policy"""
     dataset: str = "arithmetic"
-    """`arithmetic` (built-in preferences), a hub id, or a local preference .jsonl/.json/.parquet file"""
+    """`arithmetic` (built-in preferences), a hub id, or a local .jsonl/.json/.parquet file of preference pairs, or of prompts with answers (pairs sampled: --sample-pairs)"""
     dataset_config: str | None = None
     """the hub dataset's configuration name, if it has several"""
     max_length: int = 1024
@@ -51,10 +51,10 @@ class Args:
     """ls: assumed probability that a preference label is flipped (conservative DPO; sigmoid only)"""
     rpo_alpha: float = 0.0
     """α: weight of the chosen completions' per-token NLL added to the loss (RPO; keeps log π(y_w) from falling)"""
-    # pairs sampled from π_ref (built-in task)
+    # pairs sampled from π_ref (rows with answers: the built-in task, GSM8K-format prompts)
     sample_pairs: int = 4
-    """rows with answers (the built-in task): sample this many completions per prompt from π_ref and pair a
-    correct one with a wrong one, instead of the dataset's fixed pairs (0: the fixed pairs)"""
+    """rows with answers: sample this many completions per prompt from π_ref and pair a correct one with a wrong
+    one, instead of the dataset's fixed pairs (0: the fixed pairs); a prompt dataset's held-out pairs are sampled too"""
     sample_temperature: float = 0.7
     """temperature of those samples"""
     # optimisation
@@ -260,24 +260,26 @@ def method_rules(args: Args) -> list[tuple[bool, str]]:
 
 
 @torch.no_grad()
-def evaluate(policy, tokenizer, eos_ids, rows, ref_logps, args: Args, device, autocast) -> tuple[dict, list]:
-    """Held-out preference accuracy of the implicit reward, greedy accuracy when answers exist; every sample."""
+def evaluate(policy, tokenizer, eos_ids, pairs, prompts, ref_logps, args: Args, device, autocast) -> tuple[dict, list]:
+    """Held-out preference accuracy of the implicit reward on `pairs`, greedy accuracy on `prompts` (rows with
+    answers; none: no generation); every sample."""
     policy.eval()
-    has_answers = all(r.get("answer") is not None for r in rows)
     wins, texts, n = [], [], args.batch_size  # never more memory than a training batch
-    for i in range(0, len(rows), n):
-        batch = pair_batch(tokenizer, rows[i : i + n], args.max_length, device, eos_ids)
+    for i in range(0, len(pairs), n):
+        batch = pair_batch(tokenizer, pairs[i : i + n], args.max_length, device, eos_ids)
         with autocast:
             chosen, rejected = sequence_logps(policy, batch).float().chunk(2)
-            if has_answers:  # the first half of the batch's prompts: each pair's once
-                prompt_ids, prompt_mask = batch["prompt_ids"][: len(chosen)], batch["prompt_mask"][: len(chosen)]
-                texts += greedy_completions(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
         wins += ((chosen - ref_logps[i : i + n, 0]) > (rejected - ref_logps[i : i + n, 1])).tolist()
+    for i in range(0, len(prompts), n):
+        ids = common.tokenize_prompts(tokenizer, prompts[i : i + n], args.max_length)
+        ids, mask = (t.to(device) for t in common.pad(ids, tokenizer.pad_token_id, "left"))
+        with autocast:
+            texts += greedy_completions(policy, ids, mask, tokenizer, eos_ids, args)
     policy.train()
     metrics = {"eval/rewards/accuracies": sum(wins) / len(wins)}
-    if has_answers:
-        metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
-    return metrics, [{"prompt": r["prompt"], "completion": t, "answer": r["answer"]} for r, t in zip(rows, texts)]
+    if prompts:
+        metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, prompts)) / len(prompts)
+    return metrics, [{"prompt": r["prompt"], "completion": t, "answer": r["answer"]} for r, t in zip(prompts, texts)]
 
 
 def main(args: Args):
@@ -287,22 +289,37 @@ def main(args: Args):
     trained = wrap(policy, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
     eos_ids = common.eos_token_ids(tokenizer, policy.generation_config)  # completions end at the first of any
 
-    # 1. preference pairs (x, y_w, y_l): the dataset's, or on the built-in task π_ref's own right and wrong samples
-    train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
-    eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
+    # 1. preference pairs (x, y_w, y_l): the dataset's, or, with answers, π_ref's own right and wrong samples
+    kind = (
+        "prompt"
+        if args.sample_pairs and common.prompts_with_answers(args.dataset, args.dataset_config)
+        else "preference"
+    )
+    train_rows = common.load_rows(args.dataset, "train", kind, tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", kind, tokenizer, args.dataset_config)[: args.eval_size]
     common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
+    # held-out accuracy: greedy answers to the held-out prompts, when they have answers
+    eval_prompts = eval_rows if all(r.get("answer") is not None for r in eval_rows) else []
     step_rows, t_sample = args.batch_size * args.grad_accum_steps * run.world, 0.0
     sampled = bool(run.state and "pairs" in run.state)
     if sampled:  # resumed: the very pairs the run started with (the reference cache indexes them)
-        train_rows = run.state["pairs"]
+        train_rows, eval_rows = run.state["pairs"]
     elif args.sample_pairs and all(r.get("answer") is not None for r in train_rows[:1000]):
         # On-policy pairs: the fixed pairs' slips are answers π_ref itself rarely gives, so pushing them down
         # barely moves its greedy answers; its own right and wrong samples do. Prompts for twice the pairs
-        # the run draws: only those with a right and a wrong sample give one.
+        # the run draws: only those with a right and a wrong sample give one. A prompt dataset's held-out
+        # pairs are π_ref's samples too (first, so they do not depend on --steps).
         sampled, t_sample = True, time.time()
         with reference_policy(policy, ref) as pi_ref:
+            if kind == "prompt":
+                eval_rows = sample_pairs(pi_ref, tokenizer, eval_rows, args, run, autocast)
             train_rows = sample_pairs(pi_ref, tokenizer, train_rows[: 2 * args.steps * step_rows], args, run, autocast)
         t_sample = time.time() - t_sample
+    if kind == "prompt" and not (sampled and eval_rows and train_rows):
+        fail(
+            f"dataset '{args.dataset}' has no preference pairs, and π_ref's samples gave none to train and evaluate on "
+            "(only prompts it sometimes gets right and sometimes wrong give one: raise --sample-pairs or --eval-size)"
+        )
     print(f"{len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}")
 
     # 2. reference log-probs: computed once per pair, the first time it is drawn, then reused every epoch
@@ -321,14 +338,15 @@ def main(args: Args):
     batches, progress = begin_training(args, run, policy, optimizer, schedule, len(train_rows), step_rows)
 
     def run_eval(step: int) -> dict:
-        return log_eval(
-            run, step, *evaluate(policy, tokenizer, eos_ids, eval_rows, eval_ref, args, run.device, autocast)
+        metrics, samples = evaluate(
+            policy, tokenizer, eos_ids, eval_rows, eval_prompts, eval_ref, args, run.device, autocast
         )
+        return log_eval(run, step, metrics, samples)
 
     def extra_state() -> dict:  # what DPO's checkpoints hold besides the usual: the reference cache, the pairs
         return {
             "ref_cache": torch.stack(gather_lists([ref_cache.cpu()])).nanmean(0),
-            **({"pairs": train_rows} if sampled else {}),
+            **({"pairs": [train_rows, eval_rows]} if sampled else {}),
         }
 
     if t_sample:

@@ -42,11 +42,11 @@ class Args:
     # the objective
     center_rewards_coef: float = 0.0
     """weight of (r_w + r_l)² in the loss, which keeps rewards centred during training (0: off)"""
-    # pairs sampled from the starting model (built-in task)
+    # pairs sampled from the starting model (rows with answers: the built-in task, GSM8K-format prompts)
     sample_pairs: int = 4
-    """rows with answers (the built-in task): add pairs of the starting model's own samples, this many per
-    prompt, a correct one vs a wrong one (the mistakes PPO's policy will make), to the dataset's fixed pairs
-    (every other kind of mistake); evaluate on each kind apart (0: the fixed pairs only)"""
+    """rows with answers: add pairs of the starting model's own samples, this many per prompt, a correct one vs a
+    wrong one (the mistakes PPO's policy will make), to the dataset's fixed pairs (every other kind of mistake;
+    a dataset of prompts has none); evaluate on each kind apart (0: the fixed pairs only)"""
     sample_temperature: float = 0.7
     """temperature of those samples (ppo.py samples at 0.7 too)"""
     max_new_tokens: int | None = None
@@ -246,15 +246,21 @@ def main(args: Args):
     tokenizer, model, eos_ids = load_models(args, run)
     trained = wrap(model, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
 
-    # 2. preference pairs (x, y_w, y_l): the dataset's, or on the built-in task the starting model's own samples
-    train_rows = common.load_rows(args.dataset, "train", "preference", tokenizer, args.dataset_config)
-    eval_rows = common.load_rows(args.dataset, "test", "preference", tokenizer, args.dataset_config)[: args.eval_size]
+    # 2. preference pairs (x, y_w, y_l): the dataset's, and, with answers, the starting model's own samples
+    kind = (
+        "prompt"
+        if args.sample_pairs and common.prompts_with_answers(args.dataset, args.dataset_config)
+        else "preference"
+    )
+    train_rows = common.load_rows(args.dataset, "train", kind, tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", kind, tokenizer, args.dataset_config)[: args.eval_size]
     common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
+    fixed = train_rows if kind == "preference" else []  # a dataset of prompts has no pairs of its own
     eval_sets = {"": eval_rows}  # name → held-out pairs
-    own = None  # pairs of the starting model's own samples (built-in task), saved with each checkpoint
+    own = None  # pairs of the starting model's own samples, saved with each checkpoint
     if run.state and "pairs" in run.state:  # resumed: the very pairs the run started with
         own, eval_sets = run.state["pairs"]
-        train_rows = own + train_rows
+        train_rows = own + fixed
     elif args.sample_pairs and all(r.get("answer") is not None for r in eval_rows):
         # The policy's own mistakes are the ones PPO will meet first; the fixed pairs hold every other kind, so
         # that the reward model checks the sum instead of spotting one kind of slip (which PPO would learn to
@@ -262,15 +268,21 @@ def main(args: Args):
         # takes, each pair is drawn only a few times.
         lm = load_model(args.model, args.trust_remote_code).to(run.device).eval()
         # held-out first, so that its pairs do not depend on --sample-prompts
-        eval_sets = {"": sample_pairs(lm, tokenizer, eval_rows, args, run, autocast), "_fixed": eval_rows}
+        eval_sets = {"": sample_pairs(lm, tokenizer, eval_rows, args, run, autocast)}
+        eval_sets |= {"_fixed": eval_rows} if fixed else {}
         own = sample_pairs(lm, tokenizer, train_rows[: args.sample_prompts], args, run, autocast)
-        train_rows = own + train_rows
+        train_rows = own + fixed
         del lm
         if not eval_sets[""]:
             fail(
                 "none of the held-out prompts had both a right and a wrong sample: raise --eval-size or "
                 "--sample-pairs, or pass --sample-pairs 0 for the fixed pairs"
             )
+    if kind == "prompt" and not (own and eval_sets[""]):
+        fail(
+            f"dataset '{args.dataset}' has no preference pairs, and the model's samples gave none to train on "
+            "(only prompts it sometimes gets right and sometimes wrong give one: raise --sample-pairs)"
+        )
     print(f"{len(train_rows)} train / {len(eval_sets[''])} held-out pairs from {args.dataset}")
 
     # 3. AdamW (fused: one kernel, no parameter-sized temporaries), linear warm-up, then (--lr-decay) down to 0

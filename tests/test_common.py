@@ -306,3 +306,12 @@ def test_cli_bad_dataset_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: dataset") and "question_text" in proc.stderr
+
+
+def test_prompts_with_answers_tells_prompt_datasets_from_pair_datasets(tmp_path):
+    gsm8k = write(tmp_path / "g.jsonl", [{"question": "How many?", "answer": "#### 4"}] * 3)
+    prompts = write(tmp_path / "p.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 3)
+    pairs = write(tmp_path / "c.jsonl", [{"prompt": "1+1=", "chosen": "2", "rejected": "3", "answer": "2"}] * 3)
+    sft = write(tmp_path / "s.jsonl", [{"prompt": "1+1=", "completion": "2"}] * 3)
+    assert common.prompts_with_answers(gsm8k) and common.prompts_with_answers(prompts)
+    assert not any(common.prompts_with_answers(d) for d in (pairs, sft, "arithmetic"))

@@ -5,6 +5,7 @@ import contextlib
 import json
 import math
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -231,3 +232,36 @@ def test_preference_formats_from_files_train(sft_run, tmp_path, form):
     assert [m["step"] for m in read_metrics(tmp_path, "d") if "eval/rewards/accuracies" in m] == [0, 3]
     assert not any("eval/accuracy" in m for m in read_metrics(tmp_path, "d"))  # no answers in this data
     assert [m["step"] for m in read_metrics(tmp_path, "r") if "eval/accuracy" in m] == [0, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script,flags,key,floor",
+    [
+        ("dpo.py", "--steps 20 --eval-every 20", "eval/rewards/accuracies", 0.9),
+        (
+            "reward_model.py",
+            "--steps 150 --lr 3e-4 --batch-size 32 --warmup-steps 10 --eval-every 150",
+            "eval/accuracy",
+            0.85,
+        ),
+    ],
+)
+def test_pairs_sampled_from_a_prompt_dataset_with_answers(sft_run, tmp_path, script, flags, key, floor):
+    """--sample-pairs on prompts with answers (GSM8K's format, no chosen/rejected columns): the starting model's
+    own right and wrong samples make the training pairs and the held-out ones, and what is learnt from the first
+    ranks the second. Margins: RESULTS.md, seeds 1-3."""
+    _, model_dir, _ = sft_run
+    rows = common.arithmetic_rows("train", "prompt")[:2700] + common.arithmetic_rows("test", "prompt")[:300]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # the last 300 held out
+    flags = ["--model", str(model_dir), "--dataset", "prompts.jsonl", *flags.split(), "--run-name", "s"]
+    out = run_script(script, *flags, cwd=tmp_path).stdout
+    assert re.search(r"sampled 4 completions at T=0.7 for each of 300 prompts: \d+ had", out), out  # held out
+    evals = [m for m in read_metrics(tmp_path, "s") if key in m]
+    assert evals[0][key] < 0.6 and evals[-1][key] >= floor, evals
+    assert not any("_fixed" in k for k in evals[-1])  # a prompt dataset has no fixed pairs
+    if script == "dpo.py":  # greedy accuracy on all 300 held-out prompts, not only the ones that gave a pair
+        held_out = int(re.search(r"/ (\d+) held-out pairs", out)[1])
+        assert held_out < 300 and all(
+            abs(m["eval/accuracy"] * 300 - round(m["eval/accuracy"] * 300)) < 1e-6 for m in evals
+        ), (held_out, evals)
