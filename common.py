@@ -124,8 +124,9 @@ def shown_samples(samples: list[dict], wrong: int = 3, right: int = 1) -> list[i
 
 
 def describe(sample: dict) -> str:
-    """A sample's verdict for the printout; the built-in task's in ordinary notation, e.g. for the prompt
-    '100+035=' and completion '1350': '1 + 530 = 531 ✓' ('… = 431 ✗, not 531' when wrong)."""
+    """A sample's verdict for the printout: the answer read from the completion, e.g. '→ 10 ✓' ('→ 12 ✗, not 10');
+    the built-in task's in ordinary notation, e.g. for the prompt '100+035=' and completion '1350': '1 + 530 = 531 ✓'
+    ('… = 431 ✗, not 531' when wrong)."""
     prompt, completion, answer = sample["prompt"], sample["completion"], sample.get("answer")
     extra = "".join(f", {k} {v:.3g}" for k, v in sample.items() if isinstance(v, float))
     if answer is None:
@@ -135,7 +136,20 @@ def describe(sample: dict) -> str:
         a, b = (from_little_endian(x) for x in prompt[:-1].split("+"))
         given = from_little_endian(completion) if re.fullmatch(r"\d{1,5}", completion) else repr(completion)
         return f"{a} + {b} = {given} " + ("✓" if ok else f"✗, not {a + b}") + extra
-    return f"answer {answer} " + ("✓" if ok else "✗") + extra
+    return f"→ {final_answer(completion)} " + ("✓" if ok else f"✗, not {answer}") + extra
+
+
+def readable_prompt(row: dict) -> str:
+    """What a printed sample shows of a row's prompt: a conversation's last message, not the rendered template."""
+    return row["messages"][-1]["content"] if row.get("messages") else row["prompt"]
+
+
+def sample_line(sample: dict, width: int = 120) -> str:
+    """One printed sample: the prompt's end and the completion's start, each cut to `width` characters, and the verdict."""
+    prompt, completion, verdict = sample["prompt"], sample["completion"], sample.get("verdict")
+    prompt = prompt if len(prompt) <= width else "…" + prompt[-width:]
+    completion = completion if len(completion) <= width else completion[:width] + "…"
+    return f"{prompt!r} → {completion!r}" + (f" ({verdict})" if verdict else "")
 
 
 def build_char_tokenizer():

@@ -261,8 +261,8 @@ def method_rules(args: Args) -> list[tuple[bool, str]]:
 
 @torch.no_grad()
 def evaluate(policy, tokenizer, eos_ids, pairs, prompts, ref_logps, args: Args, device, autocast) -> tuple[dict, list]:
-    """Held-out preference accuracy of the implicit reward on `pairs`, greedy accuracy on `prompts` (rows with
-    answers; none: no generation); every sample."""
+    """Held-out preference accuracy of the implicit reward on `pairs`, greedy completions of `prompts` and their
+    accuracy when they have answers; every sample."""
     policy.eval()
     wins, texts, n = [], [], args.batch_size  # never more memory than a training batch
     for i in range(0, len(pairs), n):
@@ -277,9 +277,12 @@ def evaluate(policy, tokenizer, eos_ids, pairs, prompts, ref_logps, args: Args, 
             texts += greedy_completions(policy, ids, mask, tokenizer, eos_ids, args)
     policy.train()
     metrics = {"eval/rewards/accuracies": sum(wins) / len(wins)}
-    if prompts:
+    if all(r.get("answer") is not None for r in prompts):
         metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, prompts)) / len(prompts)
-    return metrics, [{"prompt": r["prompt"], "completion": t, "answer": r["answer"]} for r, t in zip(prompts, texts)]
+    return metrics, [
+        {"prompt": common.readable_prompt(r), "completion": t, "answer": r.get("answer")}
+        for r, t in zip(prompts, texts)
+    ]
 
 
 def main(args: Args):
@@ -298,8 +301,8 @@ def main(args: Args):
     train_rows = common.load_rows(args.dataset, "train", kind, tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", kind, tokenizer, args.dataset_config)[: args.eval_size]
     common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
-    # held-out accuracy: greedy answers to the held-out prompts, when they have answers
-    eval_prompts = eval_rows if all(r.get("answer") is not None for r in eval_rows) else []
+    # greedy answers to the held-out prompts: accuracy when they have answers, else the few each evaluation prints
+    eval_prompts = eval_rows if all(r.get("answer") is not None for r in eval_rows) else eval_rows[:4]
     step_rows, t_sample = args.batch_size * args.grad_accum_steps * run.world, 0.0
     sampled = bool(run.state and "pairs" in run.state)
     if sampled:  # resumed: the very pairs the run started with (the reference cache indexes them)
@@ -717,7 +720,7 @@ def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]
     samples = [{**samples[i], "verdict": common.describe(samples[i])} for i in run.shown]
     log(run, metrics, step, samples)
     for sample in samples:
-        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r} ({sample['verdict']})")
+        tqdm.write(f"  {common.sample_line(sample)}")
     tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
 

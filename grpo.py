@@ -544,7 +544,7 @@ def evaluate(policy, tokenizer, eos_ids, rows, sources, args: Args, device, auto
     if all(x["answer"] is not None for x in rows):
         metrics["eval/accuracy"] = sum(common.is_correct(t, x["answer"]) for t, x in zip(texts, rows)) / len(rows)
     return metrics, [
-        {"prompt": x["prompt"], "completion": t, "answer": x["answer"], "reward": v}
+        {"prompt": common.readable_prompt(x), "completion": t, "answer": x["answer"], "reward": v}
         for x, t, v in zip(rows, texts, rewards)
     ]
 
@@ -1004,7 +1004,7 @@ def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]
     samples = [{**samples[i], "verdict": common.describe(samples[i])} for i in run.shown]
     log(run, metrics, step, samples)
     for sample in samples:
-        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r} ({sample['verdict']})")
+        tqdm.write(f"  {common.sample_line(sample)}")
     tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
 

@@ -496,7 +496,7 @@ def evaluate(policy, tokenizer, eos_ids, rows, sources, args: Args, device, auto
     if all(r["answer"] is not None for r in rows):
         metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
     return metrics, [
-        {"prompt": r["prompt"], "completion": t, "answer": r["answer"], "score": v}
+        {"prompt": common.readable_prompt(r), "completion": t, "answer": r["answer"], "score": v}
         for r, t, v in zip(rows, texts, scores)
     ]
 
@@ -935,7 +935,7 @@ def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]
     samples = [{**samples[i], "verdict": common.describe(samples[i])} for i in run.shown]
     log(run, metrics, step, samples)
     for sample in samples:
-        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r} ({sample['verdict']})")
+        tqdm.write(f"  {common.sample_line(sample)}")
     tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
 

@@ -655,7 +655,7 @@ def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]
     samples = [{**samples[i], "verdict": common.describe(samples[i])} for i in run.shown]
     log(run, metrics, step, samples)
     for sample in samples:
-        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r} ({sample['verdict']})")
+        tqdm.write(f"  {common.sample_line(sample)}")
     tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
 

@@ -191,7 +191,7 @@ def method_rules(args: Args) -> list[tuple[bool, str]]:
 @torch.no_grad()
 def evaluate(model, tokenizer, eos_ids: list[int], rows, args: Args, device, autocast) -> tuple[dict, list]:
     """Held-out loss (ℒ_SFT of the reference completions), and greedy exact-match accuracy when the rows have
-    answers; plus every sample."""
+    answers; plus every sample (without answers, the first few)."""
     model.eval()
     has_answers = all(r.get("answer") is not None for r in rows)
     total_nll, total_tokens, texts = 0.0, 0, []
@@ -199,14 +199,18 @@ def evaluate(model, tokenizer, eos_ids: list[int], rows, args: Args, device, aut
         batch = sft_batch(tokenizer, rows[i : i + 64], args, eos_ids, device)
         with autocast:
             total_nll -= (completion_logps(model, batch) * batch["completion_mask"]).sum().item()
-            if has_answers:
-                texts += greedy_completions(model, batch["prompt_ids"], batch["prompt_mask"], tokenizer, eos_ids, args)
+            if has_answers or i == 0:  # without answers, only the few completions each evaluation prints
+                k = None if has_answers else 4
+                ids, mask = batch["prompt_ids"][:k], batch["prompt_mask"][:k]
+                texts += greedy_completions(model, ids, mask, tokenizer, eos_ids, args)
         total_tokens += batch["completion_mask"].sum().item()
     model.train()
     metrics = {"eval/loss": total_nll / max(total_tokens, 1)}
     if has_answers:
         metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
-    return metrics, [{"prompt": r["prompt"], "completion": t, "answer": r["answer"]} for r, t in zip(rows, texts)]
+    return metrics, [
+        {"prompt": common.readable_prompt(r), "completion": t, "answer": r.get("answer")} for r, t in zip(rows, texts)
+    ]
 
 
 def main(args: Args):
@@ -586,7 +590,7 @@ def log_eval(run: SimpleNamespace, step: int, metrics: dict, samples: list[dict]
     samples = [{**samples[i], "verdict": common.describe(samples[i])} for i in run.shown]
     log(run, metrics, step, samples)
     for sample in samples:
-        tqdm.write(f"  {sample['prompt']!r} → {sample['completion']!r} ({sample['verdict']})")
+        tqdm.write(f"  {common.sample_line(sample)}")
     tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
 

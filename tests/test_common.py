@@ -115,7 +115,21 @@ def test_the_printed_samples_are_the_first_wrong_ones_then_a_right_one_in_ordina
     assert common.describe(sample) == "1 + 530 = 531 ✓, reward 1"
     assert common.describe({**sample, "completion": "1340"}) == "1 + 530 = 431 ✗, not 531, reward 1"
     assert common.describe({**sample, "completion": "oops"}) == "1 + 530 = 'oops' ✗, not 531, reward 1"
-    assert common.describe({"prompt": "Q?", "completion": "42", "answer": "41"}) == "answer 41 ✗"
+    assert (
+        common.describe({"prompt": "Q?", "completion": "so 6 * 7 = 42.\n#### 42", "answer": "41"}) == "→ 42 ✗, not 41"
+    )
+    assert (
+        common.describe({"prompt": "Q?", "completion": "#### 41 then 9", "answer": "41"}) == "→ 41 ✓"
+    )  # the answer read
+
+
+def test_a_printed_sample_shows_the_question_and_cuts_long_text():
+    row = {"prompt": "<|im_start|>system\nYou are a helpful AI…<|im_start|>user\nHow many?", "messages": [
+        {"role": "user", "content": "How many?"}]}  # fmt: skip
+    assert common.readable_prompt(row) == "How many?" and common.readable_prompt({"prompt": "1+1="}) == "1+1="
+    line = common.sample_line({"prompt": "x" * 200 + "Q?", "completion": "A" + "y" * 300, "verdict": "→ 1 ✓"})
+    assert line == f"'…{'x' * 118}Q?' → 'A{'y' * 119}…' (→ 1 ✓)"
+    assert common.sample_line({"prompt": "p", "completion": "c", "verdict": ""}) == "'p' → 'c'"
 
 
 def test_is_correct_compares_digits_when_zeros_lead():

@@ -4,6 +4,7 @@ the distribution of the ratio, every EOS id must end a completion, and every scr
 models with TRL's conversational formats."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -240,7 +241,7 @@ def assert_reloads_with_own_generation_config(path):
 def test_sft_on_messages(chat_model, tmp_path):
     rows = [{"messages": user(f"Add {a} and {a + 1}.") + assistant(f"The sum is {2 * a + 1}.")} for a in range(40)]
     data = write_jsonl(tmp_path / "messages.jsonl", rows)
-    run_script(
+    out = run_script(
         "sft.py",
         "--model",
         str(chat_model),
@@ -248,10 +249,18 @@ def test_sft_on_messages(chat_model, tmp_path):
         data,
         *"--steps 4 --batch-size 8 --lr 1e-3 --eval-every 4 --run-name s".split(),
         cwd=tmp_path,
-    )
+    ).stdout
     losses = [m["eval/loss"] for m in read_metrics(tmp_path, "s") if "eval/loss" in m]
     assert len(losses) == 2 and losses[1] < losses[0]
+    assert_prints_samples_without_answers(out)
     assert_reloads_with_own_generation_config(tmp_path / "models" / "sft")
+
+
+def assert_prints_samples_without_answers(out: str):
+    """Rows without answers: each of the 2 evaluations prints 4 samples, the completion alone (no verdict), the
+    rendered prompt cut to its end (where the question is)."""
+    shown = re.findall(r"^  '(.*)' → '(.*)'$", out, re.M)
+    assert len(shown) == 8 and all(prompt.endswith("<|im_start|>assistant\\n") for prompt, _ in shown), out[-2000:]
 
 
 def preference_file(path):
@@ -304,7 +313,7 @@ def test_reward_model_then_ppo_on_conversational_rows(chat_model, tmp_path):
 
 @pytest.mark.slow
 def test_dpo_on_conversational_rows(chat_model, tmp_path):
-    run_script(
+    out = run_script(
         "dpo.py",
         "--model",
         str(chat_model),
@@ -312,9 +321,10 @@ def test_dpo_on_conversational_rows(chat_model, tmp_path):
         preference_file(tmp_path / "pref.jsonl"),
         *"--steps 3 --batch-size 8 --eval-every 3 --run-name d".split(),
         cwd=tmp_path,
-    )
+    ).stdout
     evals = [m for m in read_metrics(tmp_path, "d") if "eval/rewards/accuracies" in m]
-    assert [m["step"] for m in evals] == [0, 3]
+    assert [m["step"] for m in evals] == [0, 3] and "eval/accuracy" not in evals[0]
+    assert_prints_samples_without_answers(out)
     assert_reloads_with_own_generation_config(tmp_path / "models" / "dpo")
 
 
