@@ -59,6 +59,12 @@ def run_script(script: str, *args: str, cwd: Path, check: bool = True, env: dict
     return proc
 
 
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    """A dataset file a script reads: one JSON row a line; returns its path."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
 def read_metrics(cwd: Path, run_name: str) -> list[dict]:
     return [json.loads(line) for line in (cwd / "runs" / run_name / "metrics.jsonl").read_text().splitlines()]
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import RM_TEST_ARGS, read_metrics, run_script
+from conftest import RM_TEST_ARGS, read_metrics, run_script, write_jsonl
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import common
@@ -72,13 +72,6 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected():
     # gradient descent moves along −grad: up for the chosen log-ratio, down for the rejected one
     assert pc.grad.item() < 0 < pr.grad.item()
     assert not cr.requires_grad  # implicit rewards are detached
-
-
-def test_dpo_token_logprobs_matches_log_softmax_gather():
-    logits, tokens = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
-    assert torch.allclose(
-        dpo.token_logprobs(logits, tokens), logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0], atol=1e-6
-    )
 
 
 @pytest.mark.slow
@@ -253,7 +246,7 @@ def test_pairs_sampled_from_a_prompt_dataset_with_answers(sft_run, tmp_path, scr
     ranks the second. Margins: RESULTS.md, seeds 1-3."""
     _, model_dir, _ = sft_run
     rows = common.arithmetic_rows("train", "prompt")[:2700] + common.arithmetic_rows("test", "prompt")[:300]
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # the last 300 held out
+    write_jsonl(tmp_path / "prompts.jsonl", rows)  # the last 300 held out
     flags = ["--model", str(model_dir), "--dataset", "prompts.jsonl", *flags.split(), "--run-name", "s"]
     out = run_script(script, *flags, cwd=tmp_path).stdout
     assert re.search(r"sampled 4 completions at T=0.7 for each of 300 prompts: \d+ had", out), out  # held out

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import CHATML, read_metrics, run_script
+from conftest import CHATML, read_metrics, run_script, write_jsonl
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import common
@@ -49,11 +49,6 @@ def chat_rows():
             }
         )
     return rows
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def llama3_style(chat_model):
@@ -150,8 +145,9 @@ def test_greedy_completions_equal_hf_generate_on_the_templates_ids(smollm2, scri
     args = script.Args(max_new_tokens=12, temperature=1.0)
     completion_ids, cmask, _ = script.generate(model, ids, mask, tok, eos, args, greedy=True)
     for prompt, row, row_mask in zip(prompts, completion_ids, cmask):
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :]
-        assert row[row_mask.bool()].tolist() == expected.tolist()[: int(row_mask.sum())]
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
+        end = next((i + 1 for i, t in enumerate(expected) if t in eos.tolist()), len(expected))  # its first EOS kept
+        assert row[row_mask.bool()].tolist() == expected[:end]
         assert tok.decode(row[row_mask.bool()], skip_special_tokens=True).strip()  # it answers something
 
 
@@ -161,8 +157,9 @@ def test_the_cards_command_takes_the_pretrained_defaults(chat_model, tmp_path):
     flags = ["--model", str(chat_model), "--dataset", data, *"--group-size 16 --steps 1 --eval-size 2".split()]
     proc = run_script("grpo.py", *flags, *"--run-name card --output-dir out".split(), cwd=tmp_path)
     used = json.loads((tmp_path / "runs" / "card" / "args.json").read_text())
-    pretrained = {name: v[1] for name, v in grpo.DEFAULTS.items() if name != "steps"}  # --steps 1: one step here
-    assert {name: used[name] for name in pretrained} == pretrained and used["steps"] == 1
+    # what docs/running.md promises a pretrained model (TRL's values, but where it says why not)
+    promised = dict(prompts_per_step=8, temperature=1.0, max_new_tokens=256, lr=1e-6, warmup_steps=0, beta=0.04)
+    assert {name: used[name] for name in promised} == promised and used["steps"] == 1 and used["loss_type"] == "grpo"
     assert used["group_size"] == 16 and "defaults for a pretrained model" in proc.stdout
     assert [row["train/lr"] for row in read_metrics(tmp_path, "card") if "train/loss" in row] == [1e-6]  # no warm-up
 
@@ -209,9 +206,12 @@ def smollm2_reward(smollm2, data, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_reward_model_trains_on_smollm2(smollm2_reward):
+def test_reward_model_trains_on_smollm2(smollm2, smollm2_reward):
+    """Two steps moved the backbone it started from (and a score head was saved with it)."""
     model = AutoModelForSequenceClassification.from_pretrained(smollm2_reward)
-    assert model.config.num_labels == 1 and model.score.weight.shape[0] == 1
+    base = AutoModelForCausalLM.from_pretrained(smollm2).model.state_dict()
+    moved = [k for k, v in model.model.state_dict().items() if not torch.equal(v, base[k])]
+    assert len(moved) > 10 and "score.weight" in dict(model.named_parameters())
 
 
 @pytest.mark.slow
@@ -227,7 +227,9 @@ def test_lora_adapters_train_on_smollm2(smollm2, data, script, tmp_path):
     flags += ["--model", str(smollm2), "--lora-r", "8", *SHORT]
     proc = run_script(script, *flags, *"--max-new-tokens 4 --run-name r --output-dir out".split(), cwd=tmp_path)
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm2), tmp_path / "out")
-    assert sum("lora_" in name for name, _ in adapted.named_parameters()) > 0
+    lora_B = [p for name, p in adapted.named_parameters() if "lora_B" in name]
+    # B starts at 0: DPO's steps trained the adapters; GRPO's rewards all tie (no answer fits), so Â = 0
+    assert lora_B and any(p.abs().max() > 0 for p in lora_B) == (script == "dpo.py")
     if script == "grpo.py":
         assert proc.stdout.count("raise --max-new-tokens") == 1
 
@@ -250,3 +252,27 @@ def test_a_reward_model_tokenizer_without_a_chat_template_is_named(chat_model, t
         common.DataError, match=r"the reward model's tokenizer .* has no chat template.*reward_model.py"
     ):
         common.retokenize(plain, rows[:2], ["8", "9"], [True, True], 64)
+
+
+def sum_questions(n: int = 400) -> list[dict]:
+    """Two-digit sums asked in words, GSM8K's format: SmolLM2 gets some right and many wrong (it explains instead)."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    picked = [pairs[(i * 7919) % len(pairs)] for i in range(n)]
+    return [
+        {"question": f"What is {a} + {b}? Answer with the number only.", "answer": f"#### {a + b}"} for a, b in picked
+    ]
+
+
+@pytest.mark.slow
+def test_dpo_on_its_own_samples_makes_smollm2_better(smollm2, tmp_path):
+    """`dpo.py --dataset <prompts with answers>`: pairs of SmolLM2's own right and wrong answers (held-out ones
+    too), 8 steps: the implicit reward ranks the held-out pairs and greedy accuracy on the 40 held-out questions
+    rises. Margins: RESULTS.md, seeds 1-3."""
+    flags = ["--model", str(smollm2), "--dataset", write_jsonl(tmp_path / "sums.jsonl", sum_questions())]
+    flags += "--max-new-tokens 16 --steps 8 --batch-size 4 --lr 1e-5 --eval-every 8 --eval-size 40".split()
+    run_script("dpo.py", *flags, *"--run-name r --output-dir out".split(), cwd=tmp_path)
+    first, last = [m for m in read_metrics(tmp_path, "r") if "eval/accuracy" in m]
+    assert last["eval/rewards/accuracies"] >= 0.8 and last["eval/accuracy"] >= first["eval/accuracy"] + 0.15, (
+        first,
+        last,
+    )

@@ -107,9 +107,9 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(script, models, tmp_pa
         load_file(tmp_path / "models/cut/model.safetensors"),
     )
     assert whole.keys() == cut.keys()
-    assert all((whole[k] - cut[k]).norm() <= 1e-3 * whole[k].norm() for k in whole), max(
-        (whole[k] - cut[k]).abs().max() for k in whole
-    )
+    differences = {k: ((whole[k] - cut[k]).norm() / whole[k].norm()).item() for k in whole}
+    print()
+    assert max(differences.values()) <= 1e-5, differences
     assert len(sft.checkpoints(str(tmp_path / "models/cut"))) == 2  # --keep-checkpoints 2 pruned the rest
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, write_jsonl
 
 import common
 import grpo
@@ -183,8 +183,7 @@ def test_an_unknown_reward_function_is_one_error_line(name, message, capsys):
 def hint_rows(path):
     """Built-in-task prompts with an extra column: `hint`, the right answer."""
     rows = common.arithmetic_rows("train", "prompt")[:200] + common.arithmetic_rows("test", "prompt")[:20]
-    path.write_text("".join(json.dumps(r | {"hint": r["answer"]}) + "\n" for r in rows))
-    return path
+    return write_jsonl(path, [r | {"hint": r["answer"]} for r in rows])
 
 
 @pytest.mark.slow
@@ -195,7 +194,7 @@ def test_a_users_reward_file_drives_training_and_its_metrics_are_what_it_returne
     train/reward (grpo) is the weighted sum."""
     _, model_dir, _ = sft_run
     (tmp_path / "my_rewards.py").write_text(REWARD_FILE)
-    flags = ["--model", str(model_dir), "--dataset", str(hint_rows(tmp_path / "hint.jsonl"))]
+    flags = ["--model", str(model_dir), "--dataset", hint_rows(tmp_path / "hint.jsonl")]
     flags += "--reward-funcs my_rewards.py:hinted --reward-weights 2 --steps 2 --eval-every 2 --eval-size 4".split()
     flags += ["--run-name", "t", *(["--prompts-per-step", "4", "--group-size", "4"] if script == "grpo.py" else [])]
     run_script(script, *flags, cwd=tmp_path, env={"REWARD_LOG": str(tmp_path / "log.jsonl")})

@@ -15,6 +15,7 @@ import sft
 
 
 def test_token_logprobs_matches_log_softmax_gather():
+    """The one copy below the banner (tests/test_copies.py keeps the five scripts' identical)."""
     torch.manual_seed(0)
     logits, tokens = torch.randn(3, 5, 11) * 4, torch.randint(0, 11, (3, 5))
     naive = logits.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
