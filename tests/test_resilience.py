@@ -80,20 +80,33 @@ def small(script, models, *extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", "sft.py reward_model.py dpo.py grpo.py".split())
-def test_kill_and_resume_reproduces_the_uninterrupted_run(script, models, tmp_path):
+@pytest.mark.parametrize(
+    "script,extra",
+    [
+        *[(script, []) for script in "sft.py reward_model.py dpo.py grpo.py ppo.py".split()],
+        ("grpo.py", "--dynamic-sampling --max-sampling-rounds 3".split()),  # its extra rounds' batches replayed
+    ],
+    ids=["sft", "reward_model", "dpo", "grpo", "ppo", "grpo-dynamic-sampling"],
+)
+def test_kill_and_resume_reproduces_the_uninterrupted_run(script, extra, models, tmp_path):
     """2N steps in one go == the same run SIGKILLed after a checkpoint and resumed: metrics and weights
     (bit-equal in practice; compared to float rounding)."""
-    run_script(script, *small(script, models, *"--output-dir models/whole --run-name whole".split()), cwd=tmp_path)
+    run_script(
+        script, *small(script, models, *extra, *"--output-dir models/whole --run-name whole".split()), cwd=tmp_path
+    )
     proc = start_script(
-        script, *small(script, models, *"--output-dir models/cut --run-name cut --save-every 4".split()), cwd=tmp_path
+        script,
+        *small(script, models, *extra, *"--output-dir models/cut --run-name cut --save-every 4".split()),
+        cwd=tmp_path,
     )
     wait_until(lambda: (tmp_path / "models/cut/checkpoint-4").is_dir(), proc)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL and not (tmp_path / "models/cut/model.safetensors").exists()
     resumed = run_script(
-        script, *small(script, models, *"--output-dir models/cut --save-every 4 --resume latest".split()), cwd=tmp_path
+        script,
+        *small(script, models, *extra, *"--output-dir models/cut --save-every 4 --resume latest".split()),
+        cwd=tmp_path,
     )
     assert "resuming from models/cut/checkpoint-" in resumed.stdout
     # Equal up to float rounding: CPU BLAS may round differently in another process (seen once in a full
@@ -111,6 +124,8 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(script, models, tmp_pa
     print()
     assert max(differences.values()) <= 1e-5, differences
     assert len(sft.checkpoints(str(tmp_path / "models/cut"))) == 2  # --keep-checkpoints 2 pruned the rest
+    if extra:  # the dynamic-sampling run did draw extra batches, which the resumed run had to skip too
+        assert max(row.get("train/sampling_rounds", 0) for row in read_metrics(tmp_path, "whole")) > 1
 
 
 @pytest.mark.slow
