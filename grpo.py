@@ -313,7 +313,8 @@ def load_reward_funcs(names) -> list[tuple]:
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
             elif "." in name:
-                sys.path[:0] = [] if os.getcwd() in sys.path else [os.getcwd()]
+                if os.getcwd() not in sys.path:  # `module.function` from the working directory
+                    sys.path.insert(0, os.getcwd())
                 module_name, attr = name.rsplit(".", 1)
                 module = importlib.import_module(module_name)
             else:
