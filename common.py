@@ -57,6 +57,12 @@ def from_little_endian(text: str) -> int:
     return int(text[::-1])
 
 
+def operands(prompt: str) -> tuple[int, int]:
+    """The two numbers of a built-in task prompt: '100+035=' → (1, 530)."""
+    a, b = prompt.removesuffix("=").split("+")
+    return from_little_endian(a), from_little_endian(b)
+
+
 def carries_into_hundreds(a: int, b: int) -> bool:
     return a % 100 + b % 100 >= 100
 
@@ -133,7 +139,7 @@ def describe(sample: dict) -> str:
         return extra[2:]
     ok = is_correct(completion, answer)
     if re.fullmatch(r"\d{3}\+\d{3}=", prompt) and re.fullmatch(r"\d{4}", answer):
-        a, b = (from_little_endian(x) for x in prompt[:-1].split("+"))
+        a, b = operands(prompt)
         given = from_little_endian(completion) if re.fullmatch(r"\d{1,5}", completion) else repr(completion)
         return f"{a} + {b} = {given} " + ("✓" if ok else f"✗, not {a + b}") + extra
     return f"→ {final_answer(completion)} " + ("✓" if ok else f"✗, not {answer}") + extra

@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import dpo  # noqa: E402
-from benchmarks.results import RESULTS, write_section  # noqa: E402
+import grpo  # noqa: E402
+from benchmarks.results import RESULTS, run, write_section  # noqa: E402
 
 METHODS = {  # what each method holds in memory while it trains (from the scripts)
     "ppo": "4: policy, reference, reward model, critic",
@@ -73,30 +73,9 @@ class Args:
     """held-out accuracy against wall time (default: benchmarks/compare.png, or compare_bf16.png with --bf16)"""
     eval_every: int = 10
     """held-out evaluation interval passed to the alignment stages (points on the plot)"""
-    quick: bool = False
-    """a few steps of each stage (for tests): the numbers mean nothing"""
     lora_r: int = 0
     """> 0: PPO, DPO and GRPO also run with LoRA adapters of this rank (LORA's learning rates, merged on save),
     side by side with full fine-tuning in one table (section compare_lora)"""
-
-
-def run(script: str, flags: list[str], cwd: Path) -> dict:
-    """Runs one stage; returns its wall time and the peak resident memory of that process alone."""
-    start = time.time()
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / script), *flags],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "TQDM_DISABLE": "1"},
-    )
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (ru_maxrss in KiB on Linux)
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"{script} {' '.join(flags)} failed:\n{out[-3000:]}")
-    print(out.strip().splitlines()[-1])
-    return {"wall_s": time.time() - start, "peak_rss_gb": usage.ru_maxrss / 2**20}
 
 
 @torch.no_grad()
@@ -120,29 +99,17 @@ def kl_to_reference(policy_dir: Path, ref_dir: Path, n: int = 500) -> float:
         eos_token_id=tokenizer.eos_token_id,
     )
     completion = out[:, ids.shape[1] :]
-    is_eos = (completion == tokenizer.eos_token_id).long()
-    cmask = (is_eos.cumsum(1) - is_eos) == 0  # up to and including the first EOS
-    full_mask = torch.cat([mask, cmask.long()], 1)
+    cmask = grpo.completion_mask(completion, torch.tensor([tokenizer.eos_token_id]))
+    full_mask = torch.cat([mask, cmask], 1)
     position_ids = (full_mask.cumsum(-1) - 1).clamp(min=0)
     logps = [
-        m(input_ids=out, attention_mask=full_mask, position_ids=position_ids)
-        .logits[:, ids.shape[1] - 1 : -1]
-        .log_softmax(-1)
-        .gather(-1, completion.unsqueeze(-1))
-        .squeeze(-1)
+        grpo.token_logprobs(
+            m(input_ids=out, attention_mask=full_mask, position_ids=position_ids).logits[:, ids.shape[1] - 1 : -1],
+            completion,
+        )
         for m in (policy, ref)
     ]
     return ((logps[0] - logps[1]) * cmask).sum(1).mean().item()
-
-
-QUICK = {  # a few steps of each stage (--quick, for tests); 30 SFT steps answer nothing right, so the fixed pairs
-    "sft": "--steps 30 --eval-every 30 --eval-size 32".split(),
-    "reward_model": "--steps 5 --eval-size 32 --sample-pairs 0".split(),
-    "ppo": "--steps 3 --prompts-per-step 16 --eval-size 32".split(),
-    "dpo": "--steps 3 --eval-size 32 --sample-pairs 0".split(),
-    "grpo": "--steps 3 --prompts-per-step 8 --eval-size 32".split(),
-    "more_sft": "--steps 3 --eval-size 32".split(),
-}
 
 
 def stage(name: str, seed: int, cwd: Path, args: Args) -> dict:
@@ -153,7 +120,6 @@ def stage(name: str, seed: int, cwd: Path, args: Args) -> dict:
         "--run-name",
         name,
         "--bf16" if args.bf16 else "--no-bf16",
-        *(QUICK[method] if args.quick else []),
     ]
     if method in METHODS:
         flags += ["--eval-every", str(args.eval_every)]
@@ -326,13 +292,12 @@ def main(args: Args):
         f"python benchmarks/compare.py --seeds {' '.join(map(str, args.seeds))} --sft-seed {args.sft_seed}"
         + (" --bf16" if args.bf16 else "")
         + (f" --lora-r {args.lora_r}" if args.lora_r else "")
-        + (" --quick" if args.quick else "")
     )
     text = (
         f"## PPO vs DPO vs GRPO on the built-in task{', full fine-tuning vs LoRA' if args.lora_r else ''}"
         f"{', bf16 autocast' if args.bf16 else ', fp32'}\n\n"
         f"Measured {time.strftime('%Y-%m-%d')} on {machine} (torch {torch.__version__}); `{command}`: every stage with its "
-        f"{'defaults' if not args.quick else 'QUICK test budgets (meaningless numbers)'}; one SFT model and reward model (seed "
+        f"defaults; one SFT model and reward model (seed "
         f"{args.sft_seed}), then PPO, DPO, GRPO and the control (`sft.py {' '.join(CONTROL)}`) with seeds {', '.join(map(str, args.seeds))}; held-out evaluation every "
         f"{args.eval_every} steps. Mean ± standard deviation over seeds. Peak memory is each training process's own maximum resident set."
         + (

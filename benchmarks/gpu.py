@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import dpo  # noqa: E402
 import grpo  # noqa: E402
+from benchmarks.logits_memory import random_pairs  # noqa: E402
 from benchmarks.results import write_section  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L4": 121, "A10": 125, "4090": 165}  # dense
@@ -201,16 +202,8 @@ def grpo_step(policy, ref, optimizer, config, shape, args, autocast) -> dict:
 
 def dpo_step(policy, ref, optimizer, config, shape, args, autocast) -> dict:
     """dpo.py's step: chosen and rejected in one forward, reference log-probs without gradients."""
-    B, device = shape["pairs"], args.device
-    prompt = torch.randint(2, config.vocab_size, (B, shape["pair_prompt"]))
-    completions = torch.randint(2, config.vocab_size, (2 * B, shape["pair_completion"]))
-    batch = {
-        "input_ids": torch.cat([prompt.repeat(2, 1), completions], 1),
-        "completion_ids": completions,
-        "completion_mask": torch.ones_like(completions),
-    }
-    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-    batch = {k: v.to(device) for k, v in batch.items()}
+    device = args.device
+    batch = random_pairs(config.vocab_size, shape["pairs"], shape["pair_prompt"], shape["pair_completion"], device)
     times = {}
     t = timer(device)
     with torch.no_grad(), autocast, dpo.reference_policy(policy, ref) as pi_ref:

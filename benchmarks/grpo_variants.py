@@ -20,8 +20,7 @@ import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.compare import run  # noqa: E402
-from benchmarks.results import write_section  # noqa: E402
+from benchmarks.results import mean_std, run, write_section  # noqa: E402
 
 VARIANTS = {
     "GRPO (defaults: the lecture's objective)": [],
@@ -43,10 +42,6 @@ class Args:
     """where the models and metrics are written"""
     write: bool = True
     """write the section in RESULTS.md"""
-
-
-def mean_std(values, fmt):
-    return f"{statistics.mean(values):{fmt}} ± {statistics.stdev(values) if len(values) > 1 else 0.0:{fmt}}"
 
 
 def main(args: Args):

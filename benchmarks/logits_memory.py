@@ -75,6 +75,19 @@ def peak_bytes(device: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def random_pairs(vocab_size: int, pairs: int, prompt_tokens: int, completion_tokens: int, device) -> dict:
+    """A DPO batch of random token ids, as dpo.pair_batch lays it out: the chosen rows, then the rejected ones."""
+    prompt = torch.randint(2, vocab_size, (pairs, prompt_tokens))
+    completions = torch.randint(2, vocab_size, (2 * pairs, completion_tokens))
+    batch = {
+        "input_ids": torch.cat([prompt.repeat(2, 1), completions], 1),
+        "completion_ids": completions,
+        "completion_mask": torch.ones_like(completions),
+    }
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    return {k: v.to(device) for k, v in batch.items()}
+
+
 def one_variant(args: Args) -> dict:
     config = Qwen2Config(
         vocab_size=args.vocab_size,
@@ -98,16 +111,7 @@ def one_variant(args: Args) -> dict:
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-6)
     autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.variant == "lora-bf16")
-    B = args.pairs
-    prompt = torch.randint(2, config.vocab_size, (B, args.prompt_tokens))
-    completions = torch.randint(2, config.vocab_size, (2 * B, args.completion_tokens))
-    batch = {
-        "input_ids": torch.cat([prompt.repeat(2, 1), completions], 1),
-        "completion_ids": completions,
-        "completion_mask": torch.ones_like(completions),
-    }
-    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-    batch = {k: v.to(args.device) for k, v in batch.items()}
+    batch = random_pairs(config.vocab_size, args.pairs, args.prompt_tokens, args.completion_tokens, args.device)
     sequence_logps = full_logits_sequence_logps if args.variant == "full-logits" else dpo.sequence_logps
     for p in trainable:  # the optimiser's state exists before the measured step, as in training
         p.grad = torch.zeros_like(p)

@@ -28,8 +28,7 @@ import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.compare import run  # noqa: E402
-from benchmarks.results import write_section  # noqa: E402
+from benchmarks.results import mean_std, run, write_section  # noqa: E402
 from benchmarks.smollm2 import save_smollm2  # noqa: E402
 
 RUNS = Path(__file__).resolve().parent / "real_model_runs.jsonl"
@@ -40,12 +39,12 @@ RECIPES = {
     "grpo": {
         "data": "gsm8k.jsonl",
         "settings": dict(
-            steps=20,
+            steps=24,
             prompts_per_step=4,
             group_size=8,
             max_new_tokens=64,
             temperature=0.7,
-            lr=1e-5,
+            lr=2e-5,
             beta=0.0,
             grad_accum_steps=2,
             loss_type="grpo",
@@ -283,41 +282,46 @@ def commit() -> str:
     ).stdout.strip()
 
 
-def mean_std(values: list[float], fmt: str) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):{fmt}} ± {sd:{fmt}}"
-
-
 def report() -> str:
+    """RESULTS' table: one row per stage, recipe and implementation; a recipe other than RECIPES' (a sweep's earlier
+    try) is named by the settings it changed."""
     rows = recorded()
     base = {r["model"]: r["accuracy"] for r in rows if r["impl"] == "base"}
+    runs = [r for r in rows if r["impl"] != "base"]
+    recipes = []  # (stage, settings), in the order they were first run
+    for r in runs:
+        if (r["stage"], r["recipe"]) not in recipes:
+            recipes.append((r["stage"], r["recipe"]))
     lines = [
-        "| stage (recipe) | impl | seeds | held-out accuracy before → after | gain (points) | s / step | peak RSS (GB) |",
+        "| stage | impl | seeds | held-out accuracy before → after | gain (points) | s / step | peak RSS (GB) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for stage, recipe in RECIPES.items():
+    for stage, settings in recipes:
+        changed = ", ".join(f"{k} {v}" for k, v in settings.items() if RECIPES[stage]["settings"].get(k) != v)
         for impl in ("ours", "trl"):
-            runs = [r for r in rows if r["stage"] == stage and r["impl"] == impl and r["recipe"] == recipe["settings"]]
-            if not runs:
+            done = [r for r in runs if (r["stage"], r["recipe"], r["impl"]) == (stage, settings, impl)]
+            if not done:
                 continue
-            before = base[runs[0]["model"]]
-            settings = ", ".join(f"{k} {v}" for k, v in recipe["settings"].items())
+            before = base[done[0]["model"]]
             lines.append(
-                f"| {stage} ({settings}) | {impl} | {', '.join(str(r['seed']) for r in runs)} | {100 * before:.1f} → "
-                f"{mean_std([100 * r['accuracy'] for r in runs], '.1f')}% | {mean_std([100 * (r['accuracy'] - before) for r in runs], '.1f')} "
-                f"| {mean_std([r['s_per_step'] for r in runs], '.1f')} | {mean_std([r['peak_rss_gb'] for r in runs], '.2f')} |"
+                f"| {stage}{f' (tried: {changed})' if changed else ''} | {impl} | {', '.join(str(r['seed']) for r in done)} "
+                f"| {100 * before:.1f} → {mean_std([100 * r['accuracy'] for r in done], '.1f')}% "
+                f"| {mean_std([100 * (r['accuracy'] - before) for r in done], '.1f')} "
+                f"| {mean_std([r['s_per_step'] for r in done], '.1f')} | {mean_std([r['peak_rss_gb'] for r in done], '.2f')} |"
             )
-    runs = [r for r in rows if r["impl"] != "base"]
-    dates = sorted({r["date"] for r in runs})
-    commits = sorted({r["commit"] for r in runs})
+    recipe_text = "; ".join(
+        f"{stage}: " + ", ".join(f"{k} {v}" for k, v in recipe["settings"].items()) for stage, recipe in RECIPES.items()
+    )
     return (
         "### SmolLM2-135M-Instruct on GSM8K-format word problems: each stage, ours beside TRL\n\n"
         + "\n".join(lines)
-        + f"\n\n`python benchmarks/real_model.py --stages {' '.join(RECIPES)} --seeds 1 2 3` (each run recorded in "
-        f"benchmarks/real_model_runs.jsonl); 2 CPU cores, fp32; {', '.join(dates)}; commits {', '.join(commits)}. "
-        "Held-out accuracy: HF generate, greedy, on the 200 held-out problems (the number after '####', else the "
-        "last one), the same evaluator for both implementations; mean ± std over seeds. s / step: median time "
-        "between optimiser steps, the first left out."
+        + f"\n\nRecipes (our flag names; TRL's trainer gets the same values): {recipe_text}. "
+        f"`python benchmarks/real_model.py --stages {' '.join(RECIPES)} --seeds 1 2 3` (each run recorded in "
+        f"benchmarks/real_model_runs.jsonl); 2 CPU cores, fp32; {', '.join(sorted({r['date'] for r in runs}))}; "
+        f"commits {', '.join(sorted({r['commit'] for r in runs}))}. Held-out accuracy: HF generate, greedy, 96 new "
+        "tokens, on the 200 held-out problems (the number after '####', else the last one), the same evaluator for "
+        "both implementations; mean ± std over seeds. s / step: median time between optimiser steps, the first "
+        "left out. Peak RSS: the training process's."
     )
 
 

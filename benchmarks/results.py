@@ -1,7 +1,15 @@
-"""RESULTS.md is shared by the benchmarks: each writes its own section between its own markers."""
+"""What the benchmarks share: RESULTS.md (each writes its own section between its own markers), running a script
+as a user does (its wall time and the peak RSS of its process alone) and mean ± std over seeds."""
 
+import os
 import re
+import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
@@ -20,3 +28,34 @@ def write_section(name: str, text: str, path: Path = RESULTS):
     else:
         new = old.rstrip() + "\n\n" + block + "\n"
     path.write_text(new)
+
+
+def start(command: list[str], cwd: Path, threads: int | None = None) -> subprocess.Popen:
+    """Starts `command` in `cwd` (progress bars off; OMP_NUM_THREADS=threads when given)."""
+    env = {**os.environ, "TQDM_DISABLE": "1", **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc.started = time.time()
+    return proc
+
+
+def finish(proc: subprocess.Popen) -> dict:
+    """Waits for a started command (exits with its output's end if it failed); its wall time, the peak resident
+    memory of that process alone (its own rusage) and its output."""
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # ru_maxrss in KiB on Linux
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(proc.args)} failed:\n{out[-3000:]}")
+    print(out.strip().splitlines()[-1])
+    return {"wall_s": time.time() - proc.started, "peak_rss_gb": usage.ru_maxrss / 2**20, "out": out}
+
+
+def run(script: str, flags: list[str], cwd: Path) -> dict:
+    """Runs one of the project's scripts as a user does (a subprocess) and waits for it."""
+    return finish(start([sys.executable, str(ROOT / script), *flags], cwd))
+
+
+def mean_std(values: list[float], fmt: str) -> str:
+    """'mean ± sample std' of the values (± 0 for one)."""
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):{fmt}} ± {sd:{fmt}}"

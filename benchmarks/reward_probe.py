@@ -106,10 +106,6 @@ def scores(reward, tokenizer, prompts: list[str], completions: list[str]) -> tor
     return torch.cat(out)
 
 
-def operands(prompt: str) -> tuple[int, int]:
-    return tuple(common.from_little_endian(x) for x in prompt.removesuffix("=").split("+"))
-
-
 @torch.no_grad()
 def pairwise_by_kind(reward, tokenizer, rows: list[dict], own_wrong: dict, seed: int) -> dict[str, tuple[int, int]]:
     """{kind: (pairs ranked right, pairs)}: each held-out prompt's right sum against one wrong sum of each kind
@@ -117,7 +113,7 @@ def pairwise_by_kind(reward, tokenizer, rows: list[dict], own_wrong: dict, seed:
     rng = random.Random(seed)
     pairs = {kind: [] for kind in [*WRONG, "the SFT model's own wrong samples"]}
     for row in rows:
-        a, b = operands(row["prompt"])
+        a, b = common.operands(row["prompt"])
         for kind, make in WRONG.items():
             wrong = make(a, b, rng)
             if wrong is not None and wrong != a + b and 0 <= wrong <= 9999:

@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ import tyro
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from benchmarks.results import RESULTS, write_section  # noqa: E402
+from benchmarks.results import RESULTS, finish, start, write_section  # noqa: E402
 
 
 @dataclass
@@ -81,13 +80,9 @@ def run_all(jobs: list[tuple[str, int, list[str]]], cwd: Path, parallel: int) ->
     while queue or running:
         while queue and len(running) < parallel:
             row, threads, cmd = queue.pop(0)
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1"}
-            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            running.append((row, cmd, proc))
+            running.append((row, cmd, start(cmd, cwd, threads)))
         row, cmd, proc = running.pop(0)
-        out = proc.communicate()[0]
-        if proc.returncode != 0:
-            sys.exit(f"{' '.join(cmd)} failed:\n{out[-3000:]}")
+        finish(proc)
         seed = int(cmd[cmd.index("--seed") + 1])
         results[row, seed] = final_accuracy(cwd, cmd)
         print(f"{row}, seed {seed}: {100 * results[row, seed]:.1f}%", flush=True)

