@@ -50,24 +50,24 @@ class Args:
     prompts_per_step: int | None = None
     """prompts sampled per round and process (each prompt's whole group stays in its process) (default: by run, see the table above)"""
     group_size: int = 8
-    """G: completions sampled per prompt"""
+    """G: completions sampled per prompt (TRL: num_generations)"""
     temperature: float | None = None
     """sampling temperature (log-probs are computed at the same temperature) (default: by run, see the table above)"""
     max_new_tokens: int | None = None
-    """completion length limit (default: by run, see the table above)"""
+    """completion length limit (TRL: max_completion_length, 512) (default: by run, see the table above)"""
     static_cache: bool = False
     """sample with a static (preallocated) KV cache; on CUDA transformers then compiles the decoding step: faster after a slow first call, the same distribution"""
     # the objective: clipped ratio ρ, KL to π_ref, advantages Â
     clip_eps: float = 0.2
-    """ε: the ratio ρ is clipped to [1−ε, 1+ε_h]"""
+    """ε: the ratio ρ is clipped to [1−ε, 1+ε_h] (TRL: epsilon)"""
     clip_eps_high: float | None = None
-    """ε_h, DAPO's clip-higher (e.g. 0.28): a larger upper clip lets unlikely tokens gain probability (None: ε)"""
+    """ε_h, DAPO's clip-higher (e.g. 0.28): a larger upper clip lets unlikely tokens gain probability (None: ε) (TRL: epsilon_high)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """token: ρ per token (GRPO); sequence: GSPO's length-normalised sequence ratio for every token of a completion"""
     beta: float = 0.04
-    """β: weight of the k3 KL penalty to the reference (0 skips the reference model)"""
+    """β: weight of the k3 KL penalty to the reference (0 skips the reference model); DeepSeekMath's 0.04, TRL's default is 0"""
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
-    """grpo: mean of per-sequence token means; dapo: mean over all tokens; dr_grpo: sum / (B · max_new_tokens)"""
+    """grpo: mean of per-sequence token means (DeepSeekMath's); dapo: mean over all tokens (TRL's default); dr_grpo: sum / (B · max_new_tokens)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide advantages by the reward std of each group (DeepSeekMath), of the whole batch, or not at all (Dr. GRPO)"""
     mask_truncated_completions: bool = False
@@ -1241,7 +1241,8 @@ def write_failed(path: str, e: Exception, output_dir: str):
 
 if __name__ == "__main__":
     table = "\n".join(f"  --{n.replace('_', '-'):<22} {a!s:<14} {b}" for n, (a, b) in DEFAULTS.items())
-    header = f"\n\nDefaults that depend on the run (a flag given always wins):\n  {'flag':<22} {'built-in task':<14} pretrained model"
+    header = "\n\nDefaults that depend on the run (a flag given always wins; where TRL 1.16's differ, docs/running.md says why):"
+    header += f"\n  {'flag':<22} {'built-in task':<14} pretrained model"
     args = tyro.cli(Args, description=__doc__ + header + "\n" + table)
     try:
         main(args)

@@ -1172,7 +1172,8 @@ def write_failed(path: str, e: Exception, output_dir: str):
 
 if __name__ == "__main__":
     table = "\n".join(f"  --{n.replace('_', '-'):<22} {a!s:<14} {b}" for n, (a, b) in DEFAULTS.items())
-    header = f"\n\nDefaults that depend on the run (a flag given always wins):\n  {'flag':<22} {'built-in task':<14} pretrained model"
+    header = "\n\nDefaults that depend on the run (a flag given always wins; where TRL 1.16's differ, docs/running.md says why):"
+    header += f"\n  {'flag':<22} {'built-in task':<14} pretrained model"
     args = tyro.cli(Args, description=__doc__ + header + "\n" + table)
     try:
         main(args)
