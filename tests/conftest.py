@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -67,6 +68,21 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 
 def read_metrics(cwd: Path, run_name: str) -> list[dict]:
     return [json.loads(line) for line in (cwd / "runs" / run_name / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timings(rows: list[dict]) -> list[dict]:
+    """Metrics rows without wall-clock times (time/elapsed_s, train/generation_s), which differ between runs."""
+    return [{k: v for k, v in row.items() if not k.endswith("_s")} for row in rows]
+
+
+def moved(before: Path, after: Path, weights: str = "model.safetensors") -> list[str]:
+    """The tensors saved in after/`weights` that differ from the same-named ones in before/`weights` (from zero
+    when `before` is None: a LoRA B starts at 0): what training changed, for tests that check a run's effect."""
+    from safetensors.torch import load_file
+
+    new = load_file(after / weights)
+    old = load_file(before / weights) if before else {k: torch.zeros_like(v) for k, v in new.items()}
+    return [k for k, v in new.items() if k in old and not torch.equal(v, old[k])]
 
 
 def pytest_collection_modifyitems(items):

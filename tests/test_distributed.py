@@ -1,13 +1,14 @@
 """torchrun on the CPU (gloo): every script completes with 2 processes and saves a loadable model; for sft
 and dpo, 2 processes × batch b, 1 process × batch 2b and --grad-accum-steps 2 × batch b (with gradient
-checkpointing) take the same steps (DDP, and FSDP2 for sft)."""
+checkpointing) take the same steps (DDP, and FSDP2 for sft, which resumed from a checkpoint ends at the same weights)."""
 
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_script, script_args
+from conftest import ROOT, read_metrics, run_script, script_args, without_timings
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -85,11 +86,18 @@ def test_two_processes_and_accumulation_equal_one_big_batch(script, sft_dir, tmp
     assert_same_weights(big, weights(tmp_path / "ddp/ddp"))
     assert_one_metrics_file(tmp_path / "ddp", "ddp")
     if script == "sft.py":  # FSDP2 shards the same model and takes the same steps
-        torchrun(
-            script, *flags, *"--batch-size 8 --fsdp --output-dir fsdp --run-name fsdp".split(), cwd=tmp_path / "fsdp"
-        )
+        fsdp = "--batch-size 8 --fsdp --output-dir fsdp --run-name fsdp --save-every 3".split()
+        torchrun(script, *flags, *fsdp, cwd=tmp_path / "fsdp")
         assert_same_weights(big, weights(tmp_path / "fsdp/fsdp"))
         AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp/fsdp")
+        # resumed from its step-3 checkpoint (sharded optimiser state, each process's RNG), in full fine-tuning,
+        # it ends where the run that went through ended
+        shutil.copytree(tmp_path / "fsdp/fsdp/checkpoint-3", tmp_path / "resumed/fsdp/checkpoint-3")
+        proc = torchrun(script, *"--output-dir fsdp --resume latest".split(), cwd=tmp_path / "resumed")
+        assert "resuming from fsdp/checkpoint-3" in proc.stdout
+        assert_same_weights(weights(tmp_path / "fsdp/fsdp"), weights(tmp_path / "resumed/fsdp"))
+        ends = [without_timings(read_metrics(d, "fsdp"))[-1] for d in (tmp_path / "fsdp", tmp_path / "resumed")]
+        assert ends[1] == pytest.approx(ends[0], rel=1e-4)
 
 
 RUNS = [  # script, flags: each completes under torchrun and saves what transformers loads

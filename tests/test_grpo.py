@@ -290,7 +290,7 @@ def test_grpo_gsm8k_format_with_group_16(sft_run, tmp_path):
     _, model_dir, _ = sft_run
     rows = [{"question": f"{a}+{a}=", "answer": f"{a} plus {a}\n#### {2 * a}"} for a in range(40)]
     (tmp_path / "gsm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run_script(
+    out = run_script(
         "grpo.py",
         "--model",
         str(model_dir),
@@ -303,6 +303,9 @@ def test_grpo_gsm8k_format_with_group_16(sft_run, tmp_path):
     metrics = read_metrics(tmp_path, "gsm")
     assert [m["step"] for m in metrics if "eval/accuracy" in m] == [0, 3]
     assert sum("train/loss" in m for m in metrics) == 3
+    # each held-out row's answer is read after its '####' (the tiny model answers none of these right)
+    verdicts = re.findall(r"✗, not (\d+)", out.stdout)
+    assert verdicts and set(verdicts) <= {str(2 * a) for a in range(36, 40)}, out.stdout[-2000:]
 
 
 @pytest.mark.slow

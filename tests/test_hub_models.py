@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import CHAT_GENERATION, read_metrics, run_script, write_jsonl
+from conftest import CHAT_GENERATION, moved, read_metrics, run_script, write_jsonl
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
 import common
@@ -284,7 +284,7 @@ def test_reward_model_then_ppo_on_conversational_rows(chat_model, tmp_path):
     )
     rm_dir = tmp_path / "models" / "reward"
     assert AutoModelForSequenceClassification.from_pretrained(rm_dir).config.num_labels == 1
-    assert "eval/accuracy" in read_metrics(tmp_path, "rm")[-1]
+    assert "eval/accuracy" in read_metrics(tmp_path, "rm")[-1] and moved(chat_model, rm_dir)
     out = run_script(
         "ppo.py",
         "--model",
@@ -299,7 +299,7 @@ def test_reward_model_then_ppo_on_conversational_rows(chat_model, tmp_path):
         cwd=tmp_path,
     ).stdout
     assert "own tokenizer" not in out
-    assert "eval/accuracy" in read_metrics(tmp_path, "p")[-1]
+    assert moved(chat_model, tmp_path / "models" / "ppo")
     assert_reloads_with_own_generation_config(tmp_path / "models" / "ppo")
 
 
@@ -316,6 +316,8 @@ def test_dpo_on_conversational_rows(chat_model, tmp_path):
     ).stdout
     evals = [m for m in read_metrics(tmp_path, "d") if "eval/rewards/accuracies" in m]
     assert [m["step"] for m in evals] == [0, 3] and "eval/accuracy" not in evals[0]
+    assert evals[0]["eval/rewards/accuracies"] == 0 < evals[1]["eval/rewards/accuracies"]  # π = π_ref ties at step 0
+    assert moved(chat_model, tmp_path / "models" / "dpo")
     assert_prints_samples_without_answers(out)
     assert_reloads_with_own_generation_config(tmp_path / "models" / "dpo")
 

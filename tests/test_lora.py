@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from conftest import SCRIPTS, read_metrics, run_script
+from conftest import SCRIPTS, moved, read_metrics, run_script
 from peft import PeftModel
 from safetensors.torch import load_file
 from test_distributed import torchrun
@@ -262,6 +262,10 @@ def test_every_script_trains_adapters_on_the_hub_like_model(script, chat_model, 
         assert (tmp_path / "out/adapter/adapter_config.json").exists()
     else:
         PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chat_model), tmp_path / "out")
+    adapter = tmp_path / ("out/adapter" if script == "reward_model.py" else "out")
+    lora_B = [k for k in moved(None, adapter, "adapter_model.safetensors") if "lora_B" in k]
+    # B starts at 0; GRPO's rule rewards all tie on this untrained model: zero advantages, no update
+    assert bool(lora_B) == (script != "grpo.py")
     if script == "ppo.py":  # the critic: a second adapter, with its value head, on its own copy of the base
         critic = json.loads((tmp_path / "out/checkpoint-2/critic/adapter_config.json").read_text())
         assert critic["task_type"] == "SEQ_CLS" and "score" in critic["modules_to_save"]

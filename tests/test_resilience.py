@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_script, script_args
+from conftest import ROOT, read_metrics, run_script, script_args, without_timings
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -35,11 +35,6 @@ def wait_until(condition, proc, timeout=300):
             raise AssertionError(f"exited {proc.returncode} before the condition held\n{out[-2000:]}\n{err[-2000:]}")
         assert time.time() < deadline, "timed out"
         time.sleep(0.01)
-
-
-def without_timings(rows):
-    """Metrics rows without wall-clock times (time/elapsed_s, train/generation_s), which differ between runs."""
-    return [{k: v for k, v in row.items() if not k.endswith("_s")} for row in rows]
 
 
 @pytest.fixture(scope="module")
