@@ -117,10 +117,20 @@ def word_problem(rng: random.Random) -> tuple[str, str, int]:
     return q, f"{work} = {r}.\n#### {r}", r
 
 
+def sum_questions(n: int = 400) -> list[dict]:
+    """Two-digit sums asked in words, GSM8K's format: SmolLM2 gets some right and many wrong (it explains instead)."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    picked = [pairs[(i * 7919) % len(pairs)] for i in range(n)]
+    return [
+        {"question": f"What is {a} + {b}? Answer with the number only.", "answer": f"#### {a + b}"} for a, b in picked
+    ]
+
+
 def write_data(directory: Path, n: int) -> None:
     """gsm8k.jsonl (question, answer: prompts with answers for GRPO, PPO and --sample-pairs), sft.jsonl (messages:
     chat demonstrations) and pairs.jsonl (conversational prompt, chosen, rejected: fixed off-policy pairs), the
-    same n distinct problems in the same order in each (seed 0), so the last 10% are held out in all three."""
+    same n distinct problems in the same order in each (seed 0), so the last 10% are held out in all three; and
+    sums.jsonl (README's DPO and GRPO recipes, the suite's SmolLM2 learning test)."""
     rng, seen, rows = random.Random(0), set(), []
     while len(rows) < n:
         question, answer, result = word_problem(rng)
@@ -143,6 +153,7 @@ def write_data(directory: Path, n: int) -> None:
             for q, a, w in rows
         ],
     }
+    files["sums.jsonl"] = sum_questions()
     for name, items in files.items():
         (directory / name).write_text("".join(json.dumps(x) + "\n" for x in items))
 

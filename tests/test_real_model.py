@@ -17,6 +17,7 @@ import grpo
 import ppo
 import reward_model
 import sft
+from benchmarks.real_model import sum_questions
 
 pytestmark = pytest.mark.real_model
 
@@ -251,15 +252,6 @@ def test_a_reward_model_tokenizer_without_a_chat_template_is_named(chat_model, t
         common.DataError, match=r"the reward model's tokenizer .* has no chat template.*reward_model.py"
     ):
         common.retokenize(plain, rows[:2], ["8", "9"], [True, True], 64)
-
-
-def sum_questions(n: int = 400) -> list[dict]:
-    """Two-digit sums asked in words, GSM8K's format: SmolLM2 gets some right and many wrong (it explains instead)."""
-    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
-    picked = [pairs[(i * 7919) % len(pairs)] for i in range(n)]
-    return [
-        {"question": f"What is {a} + {b}? Answer with the number only.", "answer": f"#### {a + b}"} for a, b in picked
-    ]
 
 
 @pytest.mark.slow
