@@ -346,7 +346,7 @@ def main(args: Args):
     model, data = workdir / "smollm2", workdir / "data"
     if not (model / "config.json").exists():
         save_smollm2(str(model))
-    if not (data / "gsm8k.jsonl").exists():
+    if not (data / "sums.jsonl").exists():  # the last file write_data writes
         write_data(data, args.problems)
     if args.data_only:
         return print(f"model: {model}\ndata: {data}")
