@@ -212,9 +212,10 @@ def recipe_of(stage: str) -> dict:
 
 def ours(stage: str, seed: int, model: Path, data: Path, out: Path) -> dict:
     settings = RECIPES[stage]["settings"]
-    flags = [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    flags = [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v)) if not isinstance(v, bool)]
+    flags += [f"--{'' if v else 'no-'}{k.replace('_', '-')}" for k, v in settings.items() if isinstance(v, bool)]
     flags += ["--model", str(model), "--dataset", str(data), "--seed", str(seed), "--output-dir", str(out / "model")]
-    flags += "--run-name run --eval-every 100000 --eval-size 8 --no-bf16".split()
+    flags += "--run-name run --eval-every 100000 --eval-size 8".split() + ([] if "bf16" in settings else ["--no-bf16"])
     flags += ["--sample-pairs", "0"] if "pairs" in RECIPES[stage] else []  # data: the pairs already sampled
     proc = run(f"{stage}.py", flags, cwd=out)
     rows = [json.loads(line) for line in (out / "runs" / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -395,10 +396,14 @@ def report() -> str:
     for stage, settings in recipes:
         now = recipe_of(stage)
         changed = ", ".join(
-            [f"{k} {v}" for k, v in settings.items() if now.get(k) != v] + [f"no {k}" for k in now if k not in settings]
+            [k if v is True else f"{k} {v}" for k, v in settings.items() if now.get(k) != v]
+            + [f"no {k}" for k in now if k not in settings]
         )
         for impl in ("ours", "trl"):
-            done = [r for r in runs if (r["stage"], r["recipe"], r["impl"]) == (stage, settings, impl)]
+            done = sorted(
+                (r for r in runs if (r["stage"], r["recipe"], r["impl"]) == (stage, settings, impl)),
+                key=lambda r: r["seed"],
+            )
             if not done:
                 continue
             before = base[done[0]["model"]]
