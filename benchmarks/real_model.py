@@ -59,7 +59,26 @@ RECIPES = {
         # lr and rpo_alpha: the sweep in RESULTS.md (real_model)
         "settings": dict(steps=16, batch_size=8, lr=5e-6, beta=0.1, max_new_tokens=64, rpo_alpha=1.0),
     },
+    # SFT on worked answers ('7 * 4 + 3 = 31.\n#### 31'), the rest of the InstructGPT pipeline from that model: does
+    # SFT first help GRPO or hurt it; a reward model on fixed pairs in the SFT model's own format (a wrong result),
+    # read by ppo.py. A stage with "from" starts from our run of that stage (same seed); "script" names the script.
+    "sft": {"data": "sft.jsonl", "settings": dict(steps=40, batch_size=8, lr=2e-5, lr_decay=False)},
+    "sft_grpo": {"script": "grpo", "from": "sft", "data": "gsm8k.jsonl", "impls": ["ours"]},
+    "rm": {
+        "script": "reward_model",
+        "from": "sft",
+        "data": "pairs.jsonl",
+        "settings": dict(steps=60, batch_size=4, lr=1e-5, lr_decay=False),
+    },
+    "ppo": {
+        "from": "sft",
+        "reward_model": "rm",
+        "data": "gsm8k.jsonl",
+        "impls": ["ours"],  # TRL 1.16 has no PPO trainer
+        "settings": dict(steps=20, prompts_per_step=8, max_new_tokens=64, temperature=0.7, lr=3e-6, kl_coef=0.05),
+    },
 }
+RECIPES["sft_grpo"]["settings"] = RECIPES["grpo"]["settings"]
 
 
 @dataclass
@@ -86,6 +105,10 @@ class Args:
     """internal (worker): the run's seed"""
     out: str = ""
     """internal (worker): the run's directory"""
+    model: str = ""
+    """internal (worker): the model the run starts from"""
+    data: str = ""
+    """internal (worker): the run's training rows"""
 
 
 # ---------------------------------------------------------------- the data
@@ -204,28 +227,67 @@ def held_out_accuracy(model_dir: Path, data: Path, tokens: int) -> float:
     return correct / len(rows)
 
 
+def rendered_pair(tokenizer, row: dict) -> dict:
+    """A conversational pair as text: the prompt as the chat template renders it for generation, each answer
+    ending at EOS, as a sampled completion would."""
+    prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+    eos = tokenizer.eos_token
+    return {
+        "prompt": prompt,
+        "chosen": row["chosen"][0]["content"] + eos,
+        "rejected": row["rejected"][0]["content"] + eos,
+    }
+
+
+@torch.no_grad()
+def pairwise_accuracy(model_dir: Path, data: Path) -> float:
+    """The share of held-out pairs whose chosen answer the reward model scores above the rejected one, r_ϕ read
+    at the answer's EOS (one sequence at a time: no padding to get wrong)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows = rows[len(rows) - min(500, len(rows) // 10) :]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def score(text: str) -> float:
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        return model.score(model.base_model(input_ids=ids).last_hidden_state[:, -1]).item()  # not the pad search
+
+    pairs = [rendered_pair(tokenizer, r) for r in rows]
+    return sum(score(p["prompt"] + p["chosen"]) > score(p["prompt"] + p["rejected"]) for p in pairs) / len(pairs)
+
+
 # ---------------------------------------------------------------- one run of each implementation
 def recipe_of(stage: str) -> dict:
     """Every setting of the stage's recipe, the sampling of DPO's pairs included: what each run records."""
     return {**RECIPES[stage]["settings"], **RECIPES[stage].get("pairs", {})}
 
 
-def ours(stage: str, seed: int, model: Path, data: Path, out: Path) -> dict:
+def per_step(steps: list[int], times: list[float]) -> float:
+    """Median seconds per optimiser step between logged steps (the first logged step left out: warm-up)."""
+    return statistics.median((t1 - t0) / (s1 - s0) for s0, s1, t0, t1 in zip(steps, steps[1:], times, times[1:]))
+
+
+def ours(stage: str, seed: int, model: Path, data: Path, out: Path, reward_model: Path | None) -> dict:
     settings = RECIPES[stage]["settings"]
     flags = [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v)) if not isinstance(v, bool)]
     flags += [f"--{'' if v else 'no-'}{k.replace('_', '-')}" for k, v in settings.items() if isinstance(v, bool)]
     flags += ["--model", str(model), "--dataset", str(data), "--seed", str(seed), "--output-dir", str(out / "model")]
     flags += "--run-name run --eval-every 100000 --eval-size 8".split() + ([] if "bf16" in settings else ["--no-bf16"])
     flags += ["--sample-pairs", "0"] if "pairs" in RECIPES[stage] else []  # data: the pairs already sampled
-    proc = run(f"{stage}.py", flags, cwd=out)
+    flags += ["--reward-model", str(reward_model)] if reward_model else []
+    proc = run(f"{RECIPES[stage].get('script', stage)}.py", flags, cwd=out)
     rows = [json.loads(line) for line in (out / "runs" / "run" / "metrics.jsonl").read_text().splitlines()]
-    times = [r["time/elapsed_s"] for r in rows if "train/loss" in r]
-    return {"times": times, "peak_rss_gb": proc["peak_rss_gb"]}
+    rows = [r for r in rows if "train/lr" in r]  # the step rows
+    return {"s_per_step": per_step([r["step"] for r in rows], [r["time/elapsed_s"] for r in rows]), **proc}
 
 
-def trl(stage: str, seed: int, model: Path, data: Path, out: Path) -> dict:
-    proc = run("benchmarks/real_model.py", ["--worker", stage, "--seed", str(seed), "--out", str(out)], cwd=out)
-    return {"times": json.loads((out / "trl.json").read_text())["times"], "peak_rss_gb": proc["peak_rss_gb"]}
+def trl(stage: str, seed: int, model: Path, data: Path, out: Path, reward_model: Path | None) -> dict:
+    flags = ["--worker", stage, "--seed", str(seed), "--out", str(out), "--model", str(model), "--data", str(data)]
+    proc = run("benchmarks/real_model.py", flags, cwd=out)
+    times = json.loads((out / "trl.json").read_text())["times"]
+    return {"s_per_step": per_step(list(range(len(times))), times), **proc}
 
 
 def sampled_pairs(seed: int, workdir: Path) -> Path:
@@ -279,18 +341,13 @@ def trl_worker(args: Args):
     """One TRL run of the stage's recipe, in this process; writes its step-end times to out/trl.json."""
     import transformers
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 
     from benchmarks.vs_trl import TRL_CPU, step_end_times
 
     transformers.utils.logging.set_verbosity_error()
-    out, s = Path(args.out), RECIPES[args.worker]["settings"]
-    workdir = out.parent
-    model_dir = workdir / "smollm2"
-    data = (
-        sampled_pairs(args.seed, workdir) if args.worker == "dpo" else workdir / "data" / RECIPES[args.worker]["data"]
-    )
+    out, s, model_dir, data = Path(args.out), RECIPES[args.worker]["settings"], Path(args.model), Path(args.data)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     rows = rows[: len(rows) - min(500, len(rows) // 10)]  # the training split
@@ -354,6 +411,32 @@ def trl_worker(args: Args):
             processing_class=tokenizer,
             callbacks=[step_end_times(times)],
         )
+    elif args.worker == "sft":  # prompt-completion rows: TRL's loss on the completion only, as ours
+        config = SFTConfig(
+            max_steps=s["steps"], learning_rate=s["lr"], per_device_train_batch_size=s["batch_size"], **settings
+        )
+        trainer = SFTTrainer(
+            model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+            args=config,
+            train_dataset=Dataset.from_list(
+                [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in rows]
+            ),
+            processing_class=tokenizer,
+            callbacks=[step_end_times(times)],
+        )
+    elif args.worker == "rm":  # rendered as text: TRL then reads r_ϕ at <|im_end|>, where ours does (not the \n after)
+        config = RewardConfig(
+            max_steps=s["steps"], learning_rate=s["lr"], per_device_train_batch_size=s["batch_size"], **settings
+        )
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        trainer = RewardTrainer(
+            model=model,
+            args=config,
+            train_dataset=Dataset.from_list([rendered_pair(tokenizer, r) for r in rows]),
+            processing_class=tokenizer,
+            callbacks=[step_end_times(times)],
+        )
     trainer.train()
     trainer.save_model(str(out / "model"))
     tokenizer.save_pretrained(out / "model")
@@ -406,11 +489,13 @@ def report() -> str:
             )
             if not done:
                 continue
-            before = base[done[0]["model"]]
+            before = [r.get("before", base[r["model"]]) for r in done]  # a later stage: its first stage's run
+            start = f"{100 * before[0]:.1f}" if len(set(before)) == 1 else mean_std([100 * b for b in before], ".1f")
             lines.append(
                 f"| {stage}{f' (tried: {changed})' if changed else ''} | {impl} | {', '.join(str(r['seed']) for r in done)} "
-                f"| {100 * before:.1f} → {mean_std([100 * r['accuracy'] for r in done], '.1f')}% "
-                f"| {mean_std([100 * (r['accuracy'] - before) for r in done], '.1f')} "
+                f"| {'pairs ranked: ' if stage == 'rm' else start + ' → '}"
+                f"{mean_std([100 * r['accuracy'] for r in done], '.1f')}% "
+                f"| {'—' if stage == 'rm' else mean_std([100 * (r['accuracy'] - b) for r, b in zip(done, before)], '.1f')} "
                 f"| {mean_std([r['s_per_step'] for r in timed], '.1f') if (timed := [r for r in done if 'contended' not in r]) else '—'} "
                 f"| {mean_std([r['peak_rss_gb'] for r in done], '.2f')} |"
             )
@@ -452,22 +537,33 @@ def main(args: Args):
         print(f"SmolLM2-135M-Instruct before training: {accuracy:.3f}", flush=True)
     for seed in args.seeds:
         for stage in args.stages:
-            recipe = recipe_of(stage)
-            for impl in args.impls:
-                key = (stage, impl, seed)
+            recipe, start = recipe_of(stage), RECIPES[stage].get("from")
+            for impl in [i for i in args.impls if i in RECIPES[stage].get("impls", ["ours", "trl"])]:
                 if any(
-                    (r.get("stage"), r["impl"], r.get("seed")) == key and r["recipe"] == recipe
+                    (r.get("stage"), r["impl"], r.get("seed"), r.get("recipe")) == (stage, impl, seed, recipe)
                     for r in done
-                    if r["impl"] != "base"
                 ):
                     continue
+                before = None  # a stage that starts from our run of another starts from that run's accuracy
+                if start:
+                    found = [
+                        r for r in recorded() if (r.get("stage"), r["impl"], r.get("seed")) == (start, "ours", seed)
+                    ]
+                    if not found or found[-1]["recipe"] != recipe_of(start):
+                        raise SystemExit(f"error: {stage} starts from {start}'s run (ours, seed {seed}): run it first")
+                    before = found[-1]["accuracy"]
                 out = workdir / f"{stage}-{impl}-{seed}"
                 out.mkdir(parents=True, exist_ok=True)
                 pairs = sampled_pairs(seed, workdir) if "pairs" in RECIPES[stage] else None
                 train_data = pairs or data / RECIPES[stage]["data"]
-                result = (ours if impl == "ours" else trl)(stage, seed, model, train_data, out)
-                times = result["times"]
-                accuracy = held_out_accuracy(out / "model", data / "gsm8k.jsonl", args.eval_tokens)
+                first = workdir / f"{start}-ours-{seed}" / "model" if start else model
+                rm = RECIPES[stage].get("reward_model")
+                rm = workdir / f"{rm}-ours-{seed}" / "model" if rm else None
+                result = (ours if impl == "ours" else trl)(stage, seed, first, train_data, out, rm)
+                if stage == "rm":  # a reward model: ranks held-out pairs; the others: answer held-out problems
+                    accuracy = pairwise_accuracy(out / "model", data / RECIPES[stage]["data"])
+                else:
+                    accuracy = held_out_accuracy(out / "model", data / "gsm8k.jsonl", args.eval_tokens)
                 row = {
                     "stage": stage,
                     "impl": impl,
@@ -476,7 +572,8 @@ def main(args: Args):
                     "data": DATA,
                     "recipe": recipe,
                     "accuracy": accuracy,
-                    "s_per_step": statistics.median(b - a for a, b in zip(times, times[1:])),
+                    **({"before": before} if before is not None else {}),
+                    "s_per_step": round(result["s_per_step"], 3),
                     "peak_rss_gb": round(result["peak_rss_gb"], 2),
                     "date": time.strftime("%Y-%m-%d"),
                     "commit": commit(),
@@ -485,6 +582,7 @@ def main(args: Args):
                     meta = json.loads(pairs.with_suffix(".json").read_text())
                     row.update(pairs=len(pairs.read_text().splitlines()), sampling_s=round(meta["seconds"]))
                 record(row)
+                done.append(row)
                 print(json.dumps(row), flush=True)
     write_section("real_model", report())
     print(report())
