@@ -75,10 +75,14 @@ RECIPES = {
         "reward_model": "rm",
         "data": "gsm8k.jsonl",
         "impls": ["ours"],  # TRL 1.16 has no PPO trainer
-        "settings": dict(steps=20, prompts_per_step=8, max_new_tokens=64, temperature=0.7, lr=3e-6, kl_coef=0.05),
+        "settings": dict(
+            steps=20, prompts_per_step=8, max_new_tokens=64, temperature=0.7, lr=5e-6, kl_coef=0.05, num_ppo_epochs=2
+        ),
     },
+    "ppo_rule": {"script": "ppo", "from": "sft", "data": "gsm8k.jsonl", "impls": ["ours"]},  # grpo.py's accuracy reward
 }
 RECIPES["sft_grpo"]["settings"] = RECIPES["grpo"]["settings"]
+RECIPES["ppo_rule"]["settings"] = {**RECIPES["ppo"]["settings"], "reward_funcs": "accuracy"}
 
 
 @dataclass
