@@ -245,9 +245,11 @@ def rendered_pair(tokenizer, row: dict) -> dict:
 
 
 @torch.no_grad()
-def pairwise_accuracy(model_dir: Path, data: Path) -> float:
+def pairwise_accuracy(model_dir: Path, data: Path, impl: str) -> float:
     """The share of held-out pairs whose chosen answer the reward model scores above the rejected one, r_ϕ read
-    at the answer's EOS (one sequence at a time: no padding to get wrong)."""
+    where the implementation's trainer reads it: ours at the answer's EOS; TRL's where transformers' sequence
+    classifier pools, the last token that is not the pad id (SmolLM2's pad is its EOS: the token before it). One
+    sequence at a time: no padding to get wrong."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     rows = [json.loads(line) for line in data.read_text().splitlines()]
@@ -257,7 +259,9 @@ def pairwise_accuracy(model_dir: Path, data: Path) -> float:
 
     def score(text: str) -> float:
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-        return model.score(model.base_model(input_ids=ids).last_hidden_state[:, -1]).item()  # not the pad search
+        if impl == "trl":
+            return model(input_ids=ids).logits[0, 0].item()
+        return model.score(model.base_model(input_ids=ids).last_hidden_state[:, -1]).item()
 
     pairs = [rendered_pair(tokenizer, r) for r in rows]
     return sum(score(p["prompt"] + p["chosen"]) > score(p["prompt"] + p["rejected"]) for p in pairs) / len(pairs)
@@ -429,7 +433,7 @@ def trl_worker(args: Args):
             processing_class=tokenizer,
             callbacks=[step_end_times(times)],
         )
-    elif args.worker == "rm":  # rendered as text: TRL then reads r_ϕ at <|im_end|>, where ours does (not the \n after)
+    elif args.worker == "rm":  # rendered as text, each answer ending at EOS (conversational: at the template's \n)
         config = RewardConfig(
             max_steps=s["steps"], learning_rate=s["lr"], per_device_train_batch_size=s["batch_size"], **settings
         )
@@ -566,7 +570,7 @@ def main(args: Args):
                 rm = workdir / f"{rm}-ours-{seed}" / "model" if rm else None
                 result = (ours if impl == "ours" else trl)(stage, seed, first, train_data, out, rm)
                 if stage == "rm":  # a reward model: ranks held-out pairs; the others: answer held-out problems
-                    accuracy = pairwise_accuracy(out / "model", data / RECIPES[stage]["data"])
+                    accuracy = pairwise_accuracy(out / "model", data / RECIPES[stage]["data"], impl)
                 else:
                     accuracy = held_out_accuracy(out / "model", data / "gsm8k.jsonl", args.eval_tokens)
                 row = {
