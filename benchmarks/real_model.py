@@ -525,6 +525,58 @@ def report() -> str:
     )
 
 
+def last_run(stage: str, seed: int) -> dict:
+    """Our recorded run of the stage at its current recipe: what a later stage starts from."""
+    found = [r for r in recorded() if (r.get("stage"), r["impl"], r.get("seed")) == (stage, "ours", seed)]
+    if not found or found[-1]["recipe"] != recipe_of(stage):
+        raise SystemExit(f"error: a stage starts from {stage}'s run (ours, seed {seed}): run it first")
+    return found[-1]
+
+
+def model_of(stage: str, seed: int, workdir: Path, tokens: int) -> Path:
+    """Our run's model for a later stage to start from, trained again when its directory is gone (runs/ is not
+    kept): our runs are deterministic on the CPU, so the rebuilt model must score what was recorded."""
+    path, row = workdir / f"{stage}-ours-{seed}" / "model", last_run(stage, seed)
+    if not (path / "config.json").exists():
+        again = train(stage, "ours", seed, workdir, tokens)
+        if again["accuracy"] != row["accuracy"]:
+            raise SystemExit(f"error: {stage} (seed {seed}) rebuilt scores {again['accuracy']}, not {row['accuracy']}")
+    return path
+
+
+def train(stage: str, impl: str, seed: int, workdir: Path, tokens: int) -> dict:
+    """One run of the stage's recipe, scored: its runs file row."""
+    start, rm, data = RECIPES[stage].get("from"), RECIPES[stage].get("reward_model"), workdir / "data"
+    out = workdir / f"{stage}-{impl}-{seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = sampled_pairs(seed, workdir) if "pairs" in RECIPES[stage] else None
+    first = model_of(start, seed, workdir, tokens) if start else workdir / "smollm2"
+    rm = model_of(rm, seed, workdir, tokens) if rm else None
+    result = (ours if impl == "ours" else trl)(stage, seed, first, pairs or data / RECIPES[stage]["data"], out, rm)
+    if stage == "rm":  # a reward model: ranks held-out pairs; the others: answer held-out problems
+        accuracy = pairwise_accuracy(out / "model", data / RECIPES[stage]["data"], impl)
+    else:
+        accuracy = held_out_accuracy(out / "model", data / "gsm8k.jsonl", tokens)
+    row = {
+        "stage": stage,
+        "impl": impl,
+        "seed": seed,
+        "model": "smollm2",
+        "data": DATA,
+        "recipe": recipe_of(stage),
+        "accuracy": accuracy,
+        **({"before": last_run(start, seed)["accuracy"]} if start else {}),  # a later stage: from our run's accuracy
+        "s_per_step": round(result["s_per_step"], 3),
+        "peak_rss_gb": round(result["peak_rss_gb"], 2),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit(),
+    }
+    if pairs:  # how many pairs the sampling gave, and what it cost (once per seed, outside s / step)
+        meta = json.loads(pairs.with_suffix(".json").read_text())
+        row.update(pairs=len(pairs.read_text().splitlines()), sampling_s=round(meta["seconds"]))
+    return row
+
+
 def main(args: Args):
     workdir = Path(args.workdir).resolve()
     if args.report:
@@ -546,53 +598,15 @@ def main(args: Args):
         print(f"SmolLM2-135M-Instruct before training: {accuracy:.3f}", flush=True)
     for seed in args.seeds:
         for stage in args.stages:
-            recipe, start = recipe_of(stage), RECIPES[stage].get("from")
             for impl in [i for i in args.impls if i in RECIPES[stage].get("impls", ["ours", "trl"])]:
-                if any(
-                    (r.get("stage"), r["impl"], r.get("seed"), r.get("recipe")) == (stage, impl, seed, recipe)
+                if not any(
+                    (r.get("stage"), r["impl"], r.get("seed"), r.get("recipe")) == (stage, impl, seed, recipe_of(stage))
                     for r in done
                 ):
-                    continue
-                before = None  # a stage that starts from our run of another starts from that run's accuracy
-                if start:
-                    found = [
-                        r for r in recorded() if (r.get("stage"), r["impl"], r.get("seed")) == (start, "ours", seed)
-                    ]
-                    if not found or found[-1]["recipe"] != recipe_of(start):
-                        raise SystemExit(f"error: {stage} starts from {start}'s run (ours, seed {seed}): run it first")
-                    before = found[-1]["accuracy"]
-                out = workdir / f"{stage}-{impl}-{seed}"
-                out.mkdir(parents=True, exist_ok=True)
-                pairs = sampled_pairs(seed, workdir) if "pairs" in RECIPES[stage] else None
-                train_data = pairs or data / RECIPES[stage]["data"]
-                first = workdir / f"{start}-ours-{seed}" / "model" if start else model
-                rm = RECIPES[stage].get("reward_model")
-                rm = workdir / f"{rm}-ours-{seed}" / "model" if rm else None
-                result = (ours if impl == "ours" else trl)(stage, seed, first, train_data, out, rm)
-                if stage == "rm":  # a reward model: ranks held-out pairs; the others: answer held-out problems
-                    accuracy = pairwise_accuracy(out / "model", data / RECIPES[stage]["data"], impl)
-                else:
-                    accuracy = held_out_accuracy(out / "model", data / "gsm8k.jsonl", args.eval_tokens)
-                row = {
-                    "stage": stage,
-                    "impl": impl,
-                    "seed": seed,
-                    "model": "smollm2",
-                    "data": DATA,
-                    "recipe": recipe,
-                    "accuracy": accuracy,
-                    **({"before": before} if before is not None else {}),
-                    "s_per_step": round(result["s_per_step"], 3),
-                    "peak_rss_gb": round(result["peak_rss_gb"], 2),
-                    "date": time.strftime("%Y-%m-%d"),
-                    "commit": commit(),
-                }
-                if pairs:  # how many pairs the sampling gave, and what it cost (once per seed, outside s / step)
-                    meta = json.loads(pairs.with_suffix(".json").read_text())
-                    row.update(pairs=len(pairs.read_text().splitlines()), sampling_s=round(meta["seconds"]))
-                record(row)
-                done.append(row)
-                print(json.dumps(row), flush=True)
+                    row = train(stage, impl, seed, workdir, args.eval_tokens)
+                    record(row)
+                    done.append(row)
+                    print(json.dumps(row), flush=True)
     write_section("real_model", report())
     print(report())
 
