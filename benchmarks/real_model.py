@@ -82,8 +82,14 @@ RECIPES = {
     },
     "ppo_rule": {"script": "ppo", "from": "sft", "data": "gsm8k.jsonl", "impls": ["ours"]},  # grpo.py's accuracy reward
 }
-# after SFT the model is nearly deterministic (entropy ~0.05 at T 0.7): T 1.0 for spread in the groups, a lower lr
-RECIPES["sft_grpo"]["settings"] = {**RECIPES["grpo"]["settings"], "temperature": 1.0, "lr": 3e-6}
+# after SFT the model is nearly deterministic (entropy ~0.05 at T 0.7): T 1.0 for spread in the groups, a lower lr,
+# and only groups with a spread (half of them have none)
+RECIPES["sft_grpo"]["settings"] = {
+    **RECIPES["grpo"]["settings"],
+    "temperature": 1.0,
+    "lr": 3e-6,
+    "dynamic_sampling": True,
+}
 RECIPES["ppo_rule"]["settings"] = {**RECIPES["ppo"]["settings"], "reward_funcs": "accuracy"}
 
 
