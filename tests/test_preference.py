@@ -229,18 +229,18 @@ def test_preference_formats_from_files_train(sft_run, tmp_path, chat):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "script,flags,key,floor",
+    "script,flags,key,rise",
     [
         ("dpo.py", "--steps 20 --eval-every 20", "eval/rewards/accuracies", 0.9),
         (
             "reward_model.py",
             "--steps 150 --lr 3e-4 --batch-size 32 --warmup-steps 10 --eval-every 150",
             "eval/accuracy",
-            0.85,
+            0.3,
         ),
     ],
 )
-def test_pairs_sampled_from_a_prompt_dataset_with_answers(sft_run, tmp_path, script, flags, key, floor):
+def test_pairs_sampled_from_a_prompt_dataset_with_answers(sft_run, tmp_path, script, flags, key, rise):
     """--sample-pairs on prompts with answers (GSM8K's format, no chosen/rejected columns): the starting model's
     own right and wrong samples make the training pairs and the held-out ones, and what is learnt from the first
     ranks the second. Margins: RESULTS.md, seeds 1-3."""
@@ -251,7 +251,7 @@ def test_pairs_sampled_from_a_prompt_dataset_with_answers(sft_run, tmp_path, scr
     out = run_script(script, *flags, cwd=tmp_path).stdout
     assert re.search(r"sampled 4 completions at T=0.7 for each of 300 prompts: \d+ had", out), out  # held out
     evals = [m for m in read_metrics(tmp_path, "s") if key in m]
-    assert evals[0][key] < 0.6 and evals[-1][key] >= floor, evals
+    assert evals[0][key] < 0.6 and evals[-1][key] >= evals[0][key] + rise, evals
     assert not any("_fixed" in k for k in evals[-1])  # a prompt dataset has no fixed pairs
     if script == "dpo.py":  # greedy accuracy on all 300 held-out prompts, not only the ones that gave a pair
         held_out = int(re.search(r"/ (\d+) held-out pairs", out)[1])
