@@ -82,8 +82,8 @@ RECIPES = {
     },
     "ppo_rule": {"script": "ppo", "from": "sft", "data": "gsm8k.jsonl", "impls": ["ours"]},  # grpo.py's accuracy reward
 }
-# after SFT the model is nearly deterministic (entropy ~0.05 at T 0.7): T 1.0 for spread in the groups, a lower lr,
-# and only groups with a spread (half of them have none)
+# after SFT the model samples nearly the same answer each time (RESULTS, real_model): T 1.0 for spread in the groups,
+# a lower lr, and only the groups with a spread
 RECIPES["sft_grpo"]["settings"] = {
     **RECIPES["grpo"]["settings"],
     "temperature": 1.0,
