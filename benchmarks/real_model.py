@@ -13,6 +13,7 @@ not run again, so the benchmark can be stopped and carried on; the table in RESU
     python benchmarks/real_model.py --data-only                      # runs/real_model/data: the rows, in TRL's formats
     python benchmarks/real_model.py --stages grpo dpo --seeds 1 2 3  # ours and TRL, seeds 1-3 (grpo: ~35 min a pair)
     python benchmarks/real_model.py --stages sft rm sft_grpo ppo ppo_rule  # SFT, then the stages that start from it
+    python benchmarks/real_model.py --stages ppo_instruct            # PPO from the instruct model, the accuracy rule
     python benchmarks/real_model.py --report                         # the table from the runs so far
 """
 
@@ -81,6 +82,25 @@ RECIPES = {
         ),
     },
     "ppo_rule": {"script": "ppo", "from": "sft", "data": "gsm8k.jsonl", "impls": ["ours"]},  # grpo.py's accuracy reward
+    # PPO where GRPO starts (the instruct model, the accuracy rule), 16 samples a step (GRPO's 32 and a critic would
+    # take twice the time); λ 1: the critic starts untrained, so every token's Â is the whole return − V_ψ
+    "ppo_instruct": {
+        "script": "ppo",
+        "data": "gsm8k.jsonl",
+        "impls": ["ours"],
+        "settings": dict(
+            steps=20,
+            prompts_per_step=16,
+            max_new_tokens=64,
+            temperature=0.7,
+            lr=5e-6,
+            kl_coef=0.05,
+            num_ppo_epochs=1,
+            lam=1.0,
+            reward_funcs="accuracy",
+            missing_eos_penalty=1.0,  # ppo.py's default; at 0 (GRPO's reward) see RESULTS.md
+        ),
+    },
 }
 # after SFT the model samples nearly the same answer each time (RESULTS, real_model): T 1.0 for spread in the groups,
 # a lower lr, and only the groups with a spread
