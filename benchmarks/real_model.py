@@ -58,8 +58,8 @@ RECIPES = {
     "dpo": {
         "data": "gsm8k.jsonl",
         "pairs": dict(sample_pairs=4, sample_temperature=0.7),
-        # lr and rpo_alpha: the sweep in RESULTS.md (real_model)
-        "settings": dict(steps=16, batch_size=8, lr=5e-6, beta=0.1, max_new_tokens=64, rpo_alpha=1.0),
+        # lr, rpo_alpha and steps (32: 512 problems sampled, twice the pairs of 16): the sweep in RESULTS.md (real_model)
+        "settings": dict(steps=32, batch_size=8, lr=5e-6, beta=0.1, max_new_tokens=64, rpo_alpha=1.0),
     },
     # SFT on worked answers ('7 * 4 + 3 = 31.\n#### 31'), the rest of the InstructGPT pipeline from that model: does
     # SFT first help GRPO or hurt it; a reward model on fixed pairs in the SFT model's own format (a wrong result),
