@@ -553,9 +553,11 @@ def report() -> str:
 
 
 def last_run(stage: str, seed: int) -> dict:
-    """Our recorded run of the stage at its current recipe: what a later stage starts from."""
-    found = [r for r in recorded() if (r.get("stage"), r["impl"], r.get("seed")) == (stage, "ours", seed)]
-    if not found or found[-1]["recipe"] != recipe_of(stage):
+    """Our recorded run of the stage at its current recipe (not a later try of another): what a later stage starts
+    from."""
+    key = (stage, "ours", seed, recipe_of(stage))
+    found = [r for r in recorded() if (r.get("stage"), r["impl"], r.get("seed"), r.get("recipe")) == key]
+    if not found:
         raise SystemExit(f"error: a stage starts from {stage}'s run (ours, seed {seed}): run it first")
     return found[-1]
 

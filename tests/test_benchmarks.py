@@ -84,6 +84,19 @@ def test_results_sections_are_replaced_not_duplicated(tmp_path):
     )
 
 
+def test_a_later_stage_starts_from_the_recipes_run_not_a_later_try(tmp_path, monkeypatch):
+    from benchmarks import real_model
+
+    monkeypatch.setattr(real_model, "RUNS", tmp_path / "runs.jsonl")
+    recipe = real_model.recipe_of("sft")
+    row = {"stage": "sft", "impl": "ours", "seed": 1, "data": real_model.DATA, "recipe": recipe, "accuracy": 0.4}
+    real_model.record(row)
+    real_model.record(row | {"recipe": recipe | {"bf16": True}, "accuracy": 0.5})  # a try, recorded after it
+    assert real_model.last_run("sft", 1)["accuracy"] == 0.4
+    with pytest.raises(SystemExit, match="run it first"):
+        real_model.last_run("sft", 2)
+
+
 def test_plot_is_written(tmp_path):
     pytest.importorskip("matplotlib", reason="benchmark dependency: pip install -r benchmarks/requirements.txt")
     runs = fake_runs()
