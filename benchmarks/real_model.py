@@ -58,7 +58,7 @@ RECIPES = {
     "dpo": {
         "data": "gsm8k.jsonl",
         "pairs": dict(sample_pairs=4, sample_temperature=0.7),
-        # lr, rpo_alpha and steps (32: 512 problems sampled, twice the pairs of 16): the sweep in RESULTS.md (real_model)
+        # lr, rpo_alpha and steps (32: pairs sampled from 512 problems): the sweep in RESULTS.md (real_model)
         "settings": dict(steps=32, batch_size=8, lr=5e-6, beta=0.1, max_new_tokens=64, rpo_alpha=1.0),
     },
     # SFT on worked answers ('7 * 4 + 3 = 31.\n#### 31'), the rest of the InstructGPT pipeline from that model: does
