@@ -16,13 +16,27 @@ the pairs are π_ref's own right and wrong samples, drawn once before training (
 
 import contextlib
 import copy
+import random
+import time
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import common
+
+# Flags whose default depends on the run: the built-in task's tuned value, or with any other dataset or model one
+# fit for a pretrained model (TRL's where TRL has one). A flag given always wins; the run prints the set it used.
+DEFAULTS = {  # flag: (built-in task, pretrained model)
+    "steps": (300, 300),
+    "beta": (3.0, 0.1),
+    "lr": (1e-5, 5e-7),
+    "warmup_steps": (20, 0),
+    "batch_size": (64, 8),
+    "max_new_tokens": (8, 256),
+}
 
 
 @dataclass
@@ -33,7 +47,7 @@ class Args:
     ref_model: str | None = None
     """reference π_ref (hub id or path); default: a frozen copy of the starting policy"""
     dataset: str = "arithmetic"
-    """`arithmetic` (built-in preferences), a hub id, or a local .jsonl/.json/.parquet file of preference pairs, or of prompts with answers (pairs sampled: --sample-pairs)"""
+    """`arithmetic`, a hub id, or a .jsonl/.json/.parquet file of pairs, or of prompts with answers"""
     dataset_config: str | None = None
     """the hub dataset's configuration name, if it has several"""
     max_length: int = 1024
@@ -44,30 +58,29 @@ class Args:
     """allow model repositories to run their own code"""
     # the objective: β, loss variants
     beta: float | None = None
-    """β: strength of the implicit KL constraint (larger stays closer to π_ref; 0.1 is usual for chat models) (default: by run, see the table above)"""
+    """β: strength of the implicit KL constraint (larger stays closer to π_ref) (default: DEFAULTS)"""
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     """sigmoid: the DPO loss; ipo: the squared IPO loss"""
     label_smoothing: float = 0.0
     """ls: assumed probability that a preference label is flipped (conservative DPO; sigmoid only)"""
     rpo_alpha: float = 0.0
-    """α: weight of the chosen completions' per-token NLL added to the loss (RPO; keeps log π(y_w) from falling)"""
+    """α: weight of the chosen completions' per-token NLL in the loss (RPO: keeps log π(y_w) up)"""
     # pairs sampled from π_ref (rows with answers: the built-in task, GSM8K-format prompts)
     sample_pairs: int = 4
-    """rows with answers: sample this many completions per prompt from π_ref and pair a correct one with a wrong
-    one, instead of the dataset's fixed pairs (0: the fixed pairs); a prompt dataset's held-out pairs are sampled too"""
+    """rows with answers: pair right and wrong samples of π_ref, this many a prompt (0: the fixed pairs)"""
     sample_temperature: float = 0.7
     """temperature of those samples"""
     # optimisation
     steps: int | None = None
-    """optimiser steps (default: by run, see the table above)"""
+    """optimiser steps (default: DEFAULTS)"""
     batch_size: int | None = None
-    """preference pairs per micro-batch and process (one optimiser step: batch_size × grad_accum_steps × processes) (default: by run, see the table above)"""
+    """pairs per micro-batch and process (a step: × grad_accum_steps × processes) (default: DEFAULTS)"""
     grad_accum_steps: int = 1
     """micro-batches whose gradients are summed before each optimiser step"""
     lr: float | None = None
-    """learning rate (AdamW); use ~5e-7 to 5e-6 for pretrained models (default: by run, see the table above)"""
+    """learning rate (AdamW) (default: DEFAULTS)"""
     warmup_steps: int | None = None
-    """linear warm-up steps (default: by run, see the table above)"""
+    """linear warm-up steps (default: DEFAULTS)"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold (global L2 norm)"""
     # evaluation
@@ -76,7 +89,7 @@ class Args:
     eval_size: int = 500
     """held-out pairs (and prompts) used for evaluation"""
     max_new_tokens: int | None = None
-    """generation length when measuring held-out accuracy (default: by run, see the table above)"""
+    """generation length when measuring held-out accuracy (default: DEFAULTS)"""
     # LoRA: train low-rank adapters instead of every weight (peft)
     lora_r: int = 0
     """r: rank of the adapters on --lora-target-modules (0: full fine-tuning)"""
@@ -85,18 +98,18 @@ class Args:
     lora_dropout: float = 0.0
     """dropout on the adapters' input (0, like every dropout here: log-probs must be deterministic)"""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """names of the modules that get adapters (all-linear: every linear layer of the decoder, not the LM head)"""
+    """modules that get adapters (all-linear: every linear layer of the decoder, not the LM head)"""
     merge_lora: bool = False
-    """with --lora-r: save merged full weights W + (α/r)·B·A in output_dir (the adapter in output_dir/adapter) instead of the adapter alone"""
+    """with --lora-r: save W + (α/r)·B·A merged in output_dir (the adapter in output_dir/adapter)"""
     # run: precision, processes, logging, checkpoints
     seed: int = 1
     """seed for torch and python"""
     bf16: bool = torch.cuda.is_available()
-    """bf16 autocast with fp32 master weights, the reference held in bf16 (default: on with CUDA; on the CPU it emulates the GPU's numerics, slowly)"""
+    """bf16 autocast, fp32 master weights, the reference in bf16 (default: on with CUDA)"""
     fsdp: bool = False
-    """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
+    """under torchrun: shard parameters, gradients and optimiser state (FSDP2) instead of DDP"""
     gradient_checkpointing: bool = False
-    """recompute activations during the backward pass: much less memory for long sequences, one more forward pass of compute"""
+    """recompute activations in the backward pass: less memory, one more forward of compute"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "align"
@@ -110,20 +123,7 @@ class Args:
     keep_checkpoints: int = 2
     """newest checkpoints kept; older ones are deleted"""
     resume: str | None = None
-    """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
-
-
-# The flags left at None above take a default that depends on the run: the built-in task's tuned value, or, with
-# any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
-# given on the command line always wins; --help lists both sets; the run prints which it used.
-DEFAULTS = {  # flag: (built-in task, pretrained model)
-    "steps": (300, 300),
-    "beta": (3.0, 0.1),
-    "lr": (1e-5, 5e-7),
-    "warmup_steps": (20, 0),
-    "batch_size": (64, 8),
-    "max_new_tokens": (8, 256),
-}
+    """continue from this checkpoint directory, or `latest` in output_dir (none yet: start afresh)"""
 
 
 # ---------------------------------------------------------------- the math
@@ -199,10 +199,11 @@ def sample_pairs(model, tokenizer, rows: list[dict], args: Args, run, autocast) 
 
 
 @torch.no_grad()
-def reference_logps(policy, ref, batch: dict, autocast) -> torch.Tensor:
-    """log π_ref(y_w | x) and log π_ref(y_l | x) of each pair of a pair_batch, as a [B, 2] table (fp32)."""
+def reference_logps(policy, ref, batch: dict, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """log π_ref(y_w | x) and log π_ref(y_l | x) [B] of a pair_batch's pairs (fp32): computed for each batch, as
+    TRL does by default, rather than cached (less state: a resumed run needs none)."""
     with autocast, reference_policy(policy, ref) as pi_ref:
-        return sequence_logps(pi_ref, batch).float().view(2, -1).T
+        return sequence_logps(pi_ref, batch).float().chunk(2)
 
 
 @torch.no_grad()
@@ -221,6 +222,142 @@ def reference_policy(policy, ref):
     else:
         with policy.disable_adapter():
             yield policy
+
+
+@torch.no_grad()
+def evaluate(policy, ref, tokenizer, eos_ids, pairs, prompts, args: Args, device, autocast) -> tuple[dict, list]:
+    """Held-out preference accuracy of the implicit reward on `pairs`, greedy completions of `prompts` and their
+    accuracy when they have answers; every sample."""
+    policy.eval()
+    wins, texts, n = [], [], args.batch_size  # never more memory than a training batch
+    for i in range(0, len(pairs), n):
+        batch = pair_batch(tokenizer, pairs[i : i + n], args.max_length, device, eos_ids)
+        ref_w, ref_l = reference_logps(policy, ref, batch, autocast)
+        with autocast:
+            logp_w, logp_l = sequence_logps(policy, batch).float().chunk(2)
+        wins += ((logp_w - ref_w) > (logp_l - ref_l)).tolist()
+    for i in range(0, len(prompts), n):
+        ids = common.tokenize_prompts(tokenizer, prompts[i : i + n], args.max_length)
+        ids, mask = (t.to(device) for t in common.pad(ids, tokenizer.pad_token_id, "left"))
+        with autocast:
+            texts += greedy_completions(policy, ids, mask, tokenizer, eos_ids, args)
+    policy.train()
+    metrics = {"eval/rewards/accuracies": sum(wins) / len(wins)}
+    if all(r.get("answer") is not None for r in prompts):
+        metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, prompts)) / len(prompts)
+    return metrics, [
+        {"prompt": common.readable_prompt(r), "completion": t, "answer": r.get("answer")}
+        for r, t in zip(prompts, texts)
+    ]
+
+
+def main(args: Args):
+    run = start_run(args, "dpo")  # flags checked, --resume found, seeds set, torchrun's processes joined
+    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    tokenizer, policy, ref = load_models(args, run)
+    dist_policy = wrap(policy, args, run.device)  # the training forward, through DDP/FSDP2 under torchrun
+    eos_ids = common.eos_token_ids(tokenizer, policy.generation_config)  # completions end at the first of any
+
+    # 1. preference pairs (x, y_w, y_l): the dataset's, or, with answers, π_ref's own right and wrong samples
+    step_rows = args.batch_size * args.grad_accum_steps * run.world
+    train_rows, eval_rows, sampled, t_sample = load_pairs(args, run, tokenizer, policy, ref, autocast, step_rows)
+    # greedy answers to the held-out prompts: accuracy when they have answers, else the few each evaluation prints
+    eval_prompts = eval_rows if all(r.get("answer") is not None for r in eval_rows) else eval_rows[:4]
+
+    # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=True)
+    schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
+    batches, progress = begin_training(args, run, policy, optimizer, schedule, len(train_rows), step_rows)
+
+    def run_eval(step: int) -> dict:
+        metrics, samples = evaluate(
+            policy, ref, tokenizer, eos_ids, eval_rows, eval_prompts, args, run.device, autocast
+        )
+        return log_eval(run, step, metrics, samples)
+
+    def extra_state() -> dict:  # sampled pairs are saved with the checkpoint: a resumed run trains on the same
+        return {"pairs": [train_rows, eval_rows]} if sampled else {}
+
+    if t_sample:
+        log(run, {"train/generation_s": round(t_sample, 3)}, 0)
+    last_eval = run.first_eval or run_eval(0)
+    for step in progress:
+        # 2. the DPO loss on a batch of pairs, gradients summed over micro-batches and processes
+        idx = next(batches)
+        totals = {"loss": 0.0}
+        for k in range(args.grad_accum_steps):
+            rows = [train_rows[i] for i in process_share(idx, run, args.batch_size, micro_batch=k)]
+            batch = pair_batch(tokenizer, rows, args.max_length, run.device, eos_ids)
+            ref_w, ref_l = reference_logps(policy, ref, batch, autocast)  # log π_ref(y_w | x), log π_ref(y_l | x)
+            with gradient_sync(dist_policy, last=k == args.grad_accum_steps - 1):
+                with autocast:  # log π_θ(y_w | x) and log π_θ(y_l | x): chosen and rejected in one forward pass
+                    logp_w, logp_l = sequence_logps(dist_policy, batch).chunk(2)
+                losses, chosen_rewards, rejected_rewards = dpo_loss(
+                    logp_w, logp_l, ref_w, ref_l, args.beta, args.loss_type, args.label_smoothing
+                )
+                if args.rpo_alpha:  # RPO: + α · (−log π_θ(y_w) / |y_w|), so the chosen answer's likelihood is kept up
+                    losses = losses - args.rpo_alpha * logp_w / batch["completion_mask"][: len(rows)].sum(1)
+                # the step's mean over all its pairs; DDP averages over processes, hence × world
+                loss = losses.sum() / (len(idx) / run.world)
+                loss.backward()
+            totals["loss"] += loss.item()
+            for key, value in {
+                "rewards/chosen": chosen_rewards.mean(),
+                "rewards/rejected": rejected_rewards.mean(),
+                "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+                "logps/chosen": logp_w.mean(),
+                "logps/rejected": logp_l.mean(),
+            }.items():
+                totals[key] = totals.get(key, 0.0) + value.item() / args.grad_accum_steps
+        totals = over_processes(totals, run.device)
+        grad_norm = optimizer_step(args, run, step, [policy], optimizer)
+        schedule.step()
+
+        # 3. log, evaluate, checkpoint
+        progress.set_postfix(loss=f"{totals['loss']:.4f}")
+        totals["rewards/margins"] = totals["rewards/chosen"] - totals["rewards/rejected"]
+        totals.update(grad_norm=grad_norm, lr=schedule.get_last_lr()[0])
+        log(run, {f"train/{k}": v for k, v in totals.items()}, step)
+        if step % args.eval_every == 0 or step == args.steps:
+            last_eval = run_eval(step)
+        maybe_checkpoint(args, run, step, policy, tokenizer, optimizer, schedule, extra_state)
+
+    finish_run(args, run, policy, tokenizer, last_eval)
+
+
+# ======================================== plumbing: models, data, flag checks (main() reads fine without it)
+def load_pairs(args: Args, run, tokenizer, policy, ref, autocast, step_rows: int):
+    """Preference pairs (x, y_w, y_l) to train on and held out: the dataset's, or for rows with answers
+    (--sample-pairs) π_ref's own right and wrong samples; on resume, the very pairs the run started with.
+    Returns them, whether they were sampled (each checkpoint then keeps them) and the seconds sampling took."""
+    kind = "preference"
+    if args.sample_pairs and common.prompts_with_answers(args.dataset, args.dataset_config):
+        kind = "prompt"
+    train_rows = common.load_rows(args.dataset, "train", kind, tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", kind, tokenizer, args.dataset_config)[: args.eval_size]
+    common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
+    sampled, t_sample = bool(run.state and "pairs" in run.state), 0.0
+    if sampled:  # resumed: the very pairs the run started with
+        train_rows, eval_rows = run.state["pairs"]
+    elif args.sample_pairs and all(r.get("answer") is not None for r in train_rows[:1000]):
+        # On-policy pairs: the fixed pairs' slips are answers π_ref itself rarely gives, so pushing them down
+        # barely moves its greedy answers; its own right and wrong samples do. Prompts for twice the pairs
+        # the run draws: only those with a right and a wrong sample give one. A prompt dataset's held-out
+        # pairs are π_ref's samples too (first, so they do not depend on --steps).
+        sampled, t0 = True, time.time()
+        with reference_policy(policy, ref) as pi_ref:
+            if kind == "prompt":
+                eval_rows = sample_pairs(pi_ref, tokenizer, eval_rows, args, run, autocast)
+            train_rows = sample_pairs(pi_ref, tokenizer, train_rows[: 2 * args.steps * step_rows], args, run, autocast)
+        t_sample = time.time() - t0
+    if kind == "prompt" and not (sampled and eval_rows and train_rows):
+        fail(
+            f"dataset '{args.dataset}' has no preference pairs, and π_ref's samples gave none to train and evaluate on "
+            "(only prompts it sometimes gets right and sometimes wrong give one: raise --sample-pairs or --eval-size)"
+        )
+    print(f"{len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}")
+    return train_rows, eval_rows, sampled, t_sample
 
 
 def load_models(args: Args, run):
@@ -246,6 +383,8 @@ def load_models(args: Args, run):
 
 # the flags checked below the banner (check_args), besides those every script has
 METHOD_POSITIVE = "batch_size beta sample_temperature max_length".split()
+
+
 METHOD_NON_NEGATIVE = "rpo_alpha".split()
 
 
@@ -257,149 +396,6 @@ def method_rules(args: Args) -> list[tuple[bool, str]]:
         (smoothing and loss != "sigmoid", f"--label-smoothing applies to --loss-type sigmoid only, not {loss}"),
         (k == 1 or k < 0, f"--sample-pairs must be 0 (the fixed pairs) or at least 2 samples per prompt (got {k})"),
     ]
-
-
-@torch.no_grad()
-def evaluate(policy, tokenizer, eos_ids, pairs, prompts, ref_logps, args: Args, device, autocast) -> tuple[dict, list]:
-    """Held-out preference accuracy of the implicit reward on `pairs`, greedy completions of `prompts` and their
-    accuracy when they have answers; every sample."""
-    policy.eval()
-    wins, texts, n = [], [], args.batch_size  # never more memory than a training batch
-    for i in range(0, len(pairs), n):
-        batch = pair_batch(tokenizer, pairs[i : i + n], args.max_length, device, eos_ids)
-        with autocast:
-            chosen, rejected = sequence_logps(policy, batch).float().chunk(2)
-        wins += ((chosen - ref_logps[i : i + n, 0]) > (rejected - ref_logps[i : i + n, 1])).tolist()
-    for i in range(0, len(prompts), n):
-        ids = common.tokenize_prompts(tokenizer, prompts[i : i + n], args.max_length)
-        ids, mask = (t.to(device) for t in common.pad(ids, tokenizer.pad_token_id, "left"))
-        with autocast:
-            texts += greedy_completions(policy, ids, mask, tokenizer, eos_ids, args)
-    policy.train()
-    metrics = {"eval/rewards/accuracies": sum(wins) / len(wins)}
-    if all(r.get("answer") is not None for r in prompts):
-        metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, prompts)) / len(prompts)
-    return metrics, [
-        {"prompt": common.readable_prompt(r), "completion": t, "answer": r.get("answer")}
-        for r, t in zip(prompts, texts)
-    ]
-
-
-def main(args: Args):
-    run = start_run(args, "dpo")  # flags checked, --resume found, seeds set, torchrun's processes joined
-    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    tokenizer, policy, ref = load_models(args, run)
-    trained = wrap(policy, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
-    eos_ids = common.eos_token_ids(tokenizer, policy.generation_config)  # completions end at the first of any
-
-    # 1. preference pairs (x, y_w, y_l): the dataset's, or, with answers, π_ref's own right and wrong samples
-    kind = (
-        "prompt"
-        if args.sample_pairs and common.prompts_with_answers(args.dataset, args.dataset_config)
-        else "preference"
-    )
-    train_rows = common.load_rows(args.dataset, "train", kind, tokenizer, args.dataset_config)
-    eval_rows = common.load_rows(args.dataset, "test", kind, tokenizer, args.dataset_config)[: args.eval_size]
-    common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
-    # greedy answers to the held-out prompts: accuracy when they have answers, else the few each evaluation prints
-    eval_prompts = eval_rows if all(r.get("answer") is not None for r in eval_rows) else eval_rows[:4]
-    step_rows, t_sample = args.batch_size * args.grad_accum_steps * run.world, 0.0
-    sampled = bool(run.state and "pairs" in run.state)
-    if sampled:  # resumed: the very pairs the run started with (the reference cache indexes them)
-        train_rows, eval_rows = run.state["pairs"]
-    elif args.sample_pairs and all(r.get("answer") is not None for r in train_rows[:1000]):
-        # On-policy pairs: the fixed pairs' slips are answers π_ref itself rarely gives, so pushing them down
-        # barely moves its greedy answers; its own right and wrong samples do. Prompts for twice the pairs
-        # the run draws: only those with a right and a wrong sample give one. A prompt dataset's held-out
-        # pairs are π_ref's samples too (first, so they do not depend on --steps).
-        sampled, t_sample = True, time.time()
-        with reference_policy(policy, ref) as pi_ref:
-            if kind == "prompt":
-                eval_rows = sample_pairs(pi_ref, tokenizer, eval_rows, args, run, autocast)
-            train_rows = sample_pairs(pi_ref, tokenizer, train_rows[: 2 * args.steps * step_rows], args, run, autocast)
-        t_sample = time.time() - t_sample
-    if kind == "prompt" and not (sampled and eval_rows and train_rows):
-        fail(
-            f"dataset '{args.dataset}' has no preference pairs, and π_ref's samples gave none to train and evaluate on "
-            "(only prompts it sometimes gets right and sometimes wrong give one: raise --sample-pairs or --eval-size)"
-        )
-    print(f"{len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}")
-
-    # 2. reference log-probs: computed once per pair, the first time it is drawn, then reused every epoch
-    def pairs_at(rows: list[dict], idx) -> dict:
-        return pair_batch(tokenizer, [rows[i] for i in idx], args.max_length, run.device, eos_ids)
-
-    nan = torch.full((len(train_rows), 2), float("nan"), device=run.device)
-    ref_cache = run.state["ref_cache"].to(run.device) if run.state else nan
-    chunks = [range(i, min(i + args.batch_size, len(eval_rows))) for i in range(0, len(eval_rows), args.batch_size)]
-    eval_ref = torch.cat([reference_logps(policy, ref, pairs_at(eval_rows, c), autocast) for c in chunks])
-
-    # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=True)
-    schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
-    batches, progress = begin_training(args, run, policy, optimizer, schedule, len(train_rows), step_rows)
-
-    def run_eval(step: int) -> dict:
-        metrics, samples = evaluate(
-            policy, tokenizer, eos_ids, eval_rows, eval_prompts, eval_ref, args, run.device, autocast
-        )
-        return log_eval(run, step, metrics, samples)
-
-    def extra_state() -> dict:  # what DPO's checkpoints hold besides the usual: the reference cache, the pairs
-        return {
-            "ref_cache": torch.stack(gather_lists([ref_cache.cpu()])).nanmean(0),
-            **({"pairs": [train_rows, eval_rows]} if sampled else {}),
-        }
-
-    if t_sample:
-        log(run, {"train/generation_s": round(t_sample, 3)}, 0)
-    last_eval = run.first_eval or run_eval(0)
-    for step in progress:
-        # 3. the DPO loss on a batch of pairs, gradients summed over micro-batches and processes
-        idx = next(batches)
-        totals = {"loss": 0.0}
-        for k in range(args.grad_accum_steps):
-            mine = process_share(idx, run, args.batch_size, micro_batch=k)
-            missing = [i for i, new in zip(mine, ref_cache[mine, 0].isnan().tolist()) if new]  # one device sync
-            if missing:
-                ref_cache[missing] = reference_logps(policy, ref, pairs_at(train_rows, missing), autocast)
-            batch = pairs_at(train_rows, mine)
-            with gradient_sync(trained, last=k == args.grad_accum_steps - 1):
-                with autocast:  # log π_θ(y_w | x) and log π_θ(y_l | x): chosen and rejected in one forward pass
-                    logp_w, logp_l = sequence_logps(trained, batch).chunk(2)
-                ref_w, ref_l = ref_cache[mine].T
-                losses, chosen_rewards, rejected_rewards = dpo_loss(
-                    logp_w, logp_l, ref_w, ref_l, args.beta, args.loss_type, args.label_smoothing
-                )
-                if args.rpo_alpha:  # RPO: + α · (−log π_θ(y_w) / |y_w|), so the chosen answer's likelihood is kept up
-                    losses = losses - args.rpo_alpha * logp_w / batch["completion_mask"][: len(mine)].sum(1)
-                # the step's mean over all its pairs; DDP averages over processes, hence × world
-                loss = losses.sum() / (len(idx) / run.world)
-                loss.backward()
-            totals["loss"] += loss.item()
-            for key, value in {
-                "rewards/chosen": chosen_rewards.mean(),
-                "rewards/rejected": rejected_rewards.mean(),
-                "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-                "logps/chosen": logp_w.mean(),
-                "logps/rejected": logp_l.mean(),
-            }.items():
-                totals[key] = totals.get(key, 0.0) + value.item() / args.grad_accum_steps
-        totals = over_processes(totals, run.device)
-        grad_norm = optimizer_step(args, run, step, [policy], optimizer)
-        schedule.step()
-
-        # 4. log, evaluate, checkpoint
-        progress.set_postfix(loss=f"{totals['loss']:.4f}")
-        totals["rewards/margins"] = totals["rewards/chosen"] - totals["rewards/rejected"]
-        totals.update(grad_norm=grad_norm, lr=schedule.get_last_lr()[0])
-        log(run, {f"train/{k}": v for k, v in totals.items()}, step)
-        if step % args.eval_every == 0 or step == args.steps:
-            last_eval = run_eval(step)
-        maybe_checkpoint(args, run, step, policy, tokenizer, optimizer, schedule, extra_state)
-
-    finish_run(args, run, policy, tokenizer, last_eval)
 
 
 # ======================================================================================================
@@ -457,7 +453,7 @@ def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, out
             if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
                 setattr(config, key, 0.0)  # log-probs must be deterministic
         if cls is AutoModelForSequenceClassification and config.pad_token_id is None:
-            config.pad_token_id = 0  # its forward refuses batches without one; head_outputs reads every position
+            config.pad_token_id = 0  # its forward refuses batches without one; position_scores reads every position
         kwargs = dict(config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
         return cls.from_pretrained(path, output_loading_info=output_loading_info, **kwargs)
     except common.DataError:
@@ -512,7 +508,7 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def forward_logps(model, input_ids, attention_mask, T: int, temperature: float = 1.0, entropy: bool = False):
-    """log π(y_t) [B,T] of the last T tokens at temperature T (the hidden state at t predicts token t+1);
+    """log π(y_t) [B,T] of the last T tokens at temperature τ (the hidden state at t predicts token t+1);
     entropy=True: also the entropy of each π(·|x, y_<t), without gradient."""
     positions = position_ids(attention_mask)  # logits for one position only: the LM head runs a chunk at a time
     out = model(
@@ -521,7 +517,7 @@ def forward_logps(model, input_ids, attention_mask, T: int, temperature: float =
     return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], input_ids[:, -T:], temperature, entropy)
 
 
-def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
+def position_scores(model, input_ids, attention_mask) -> torch.Tensor:
     """A sequence-classification model's scalar head at every position [B, L] (a reward model, a critic), the
     forward through the DDP/FSDP2 wrapper, so that its gradients are synced as the policy's are."""
     out = model(
@@ -530,15 +526,15 @@ def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
     return unwrap(model).score(out.hidden_states[-1]).squeeze(-1).float()
 
 
-def reward_scores(model, input_ids, attention_mask) -> torch.Tensor:
+def score_at_last_token(model, input_ids, attention_mask) -> torch.Tensor:
     """r_ϕ(x, y) [B]: a reward model's scalar head at each row's last real token (any padding)."""
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)
-    return head_outputs(model, input_ids, attention_mask)[torch.arange(len(last)), last]
+    return position_scores(model, input_ids, attention_mask)[torch.arange(len(last)), last]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log π(y_t | ·) = log softmax(logits / T)[y_t]: logits [B,T,V], tokens [B,T] → [B,T]; as gather − logsumexp
-    in fp32 (T divides fp32 logits, as sampling does), so no [B,T,V] log-softmax is materialised."""
+    """log π(y_t | ·) = log softmax(logits / τ)[y_t]: logits [B,T,V], tokens [B,T] → [B,T]; as gather − logsumexp
+    in fp32 (τ divides fp32 logits, as sampling does), so no [B,T,V] log-softmax is materialised."""
     logits = logits.float() / temperature
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
@@ -570,13 +566,13 @@ def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperat
 def generate_exactly(
     model, prompt_ids, prompt_mask, tokenizer, eos_ids, max_new_tokens, temperature=0.0, static_cache=False, n=1
 ) -> torch.Tensor:
-    """[prompt | completion] ids: n completions of each left-padded prompt from exactly softmax(logits / T), the
-    π_θ of every log-prob here (greedy at T = 0), each ending at its first EOS. The model's generation_config
+    """[prompt | completion] ids: n completions of each left-padded prompt from exactly softmax(logits / τ), the
+    π_θ of every log-prob here (greedy at τ = 0), each ending at its first EOS. The model's generation_config
     (top_k, top_p, … on hub chat models) is set aside for the call. static_cache: a preallocated KV cache."""
     sharded = isinstance(model, FSDPModule)  # FSDP2: every process must run each decoding step (synced_gpus)
     model = unwrap(model)  # LoRA: generate() reads the inner model's generation_config
     config = GenerationConfig(do_sample=temperature > 0, max_new_tokens=max_new_tokens, num_return_sequences=n)
-    if temperature:  # exactly softmax(logits / T): top_k 0 and top_p 1 turn generate()'s top-50 default off
+    if temperature:  # exactly softmax(logits / τ): top_k 0 and top_p 1 turn generate()'s top-50 default off
         config.update(temperature=temperature, top_k=0, top_p=1.0)
     config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=[int(i) for i in eos_ids])
     config.cache_implementation = "static" if static_cache else None
@@ -627,14 +623,20 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     at the step's end. Returns the endless batches of `step_rows` row indices, and the steps left as a progress bar."""
     if n_rows < step_rows:
         fail(f"{n_rows} training rows are fewer than one step takes ({step_rows}, over all processes)")
-    batches = common.shuffled_batches(n_rows, step_rows, args.seed)
+
+    def counted(batches):  # a resumed run skips as many as were drawn (GRPO's --dynamic-sampling draws extra)
+        for batch in batches:
+            run.batches_drawn += 1
+            yield batch
+
+    run.batches_drawn, batches = 0, counted(common.shuffled_batches(n_rows, step_rows, args.seed))
     step = run.state["step"] if run.state else 0
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
         dcp.set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=FULL_STATE)
         schedule.load_state_dict(run.state["schedule"])
-        for _ in range(step):
+        for _ in range(run.state["batches_drawn"]):
             next(batches)
         rng = run.state["rng"][run.rank]
         torch.set_rng_state(rng["torch"])
@@ -746,6 +748,7 @@ def maybe_checkpoint(args: Args, run, step: int, model, tokenizer, optimizer, sc
     if (args.save_every and step % args.save_every == 0) or stopping:
         wandb_id = run.wandb.id if run.wandb else None
         state = dict(run_name=run.name, wandb_id=wandb_id, first_eval=run.first_eval, shown=run.shown, **extra())
+        state["batches_drawn"] = run.batches_drawn
         state["schedule"] = schedule.state_dict()
         run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, state)
     if stopping:

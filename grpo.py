@@ -17,12 +17,31 @@ Shao et al. 2024, DeepSeekMath (arXiv:2402.03300); DeepSeek-R1 (arXiv:2501.12948
 import contextlib
 import copy
 import importlib.util
+import math
+import os
+import re
+import sys
+import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
+from transformers import AutoModelForSequenceClassification
 
 import common
+
+# Flags whose default depends on the run: the built-in task's tuned value, or with any other dataset or model one
+# fit for a pretrained model (TRL's where TRL has one). A flag given always wins; the run prints the set it used.
+DEFAULTS = {  # flag: (built-in task, pretrained model)
+    "steps": (60, 300),
+    "prompts_per_step": (64, 8),
+    "temperature": (0.7, 1.0),
+    "max_new_tokens": (8, 256),
+    "grad_accum_steps": (2, 8),
+    "lr": (2e-4, 1e-6),
+    "warmup_steps": (10, 0),
+}
 
 
 @dataclass
@@ -31,13 +50,13 @@ class Args:
     model: str = "models/sft"
     """policy to start from (hub id or path); also the frozen reference π_ref"""
     reward_funcs: tuple[str, ...] | None = None
-    """r_i: reward functions, summed: built-ins accuracy, format, think_format, overlong, or your own with TRL's signature as `path/to/file.py:function` or `module.function` (default: accuracy; none with --reward-model)"""
+    """r_i, summed: accuracy, format, think_format, overlong, file.py:fn or module.fn (default: accuracy)"""
     reward_weights: tuple[float, ...] | None = None
     """weight of each reward function, then of --reward-model (default: 1 each)"""
     reward_model: str | None = None
-    """also score completions with this sequence-classification model r_ϕ (its name in the metrics: reward_model)"""
+    """also score completions with this sequence-classification model r_ϕ (metrics: reward_model)"""
     dataset: str = "arithmetic"
-    """`arithmetic` (built-in), `openai/gsm8k`, another hub id, or a local .jsonl/.json/.parquet prompt file"""
+    """`arithmetic` (built-in), `openai/gsm8k`, another hub id, or a local .jsonl/.json/.parquet file"""
     dataset_config: str | None = None
     """the hub dataset's configuration name, if it has several"""
     max_prompt_length: int = 512
@@ -46,47 +65,47 @@ class Args:
     """where the trained policy and tokenizer are saved"""
     trust_remote_code: bool = False
     """allow model repositories to run their own code"""
-    # sampling: G completions per prompt at temperature T
+    # sampling: G completions per prompt at temperature τ
     prompts_per_step: int | None = None
-    """prompts sampled per round and process (each prompt's whole group stays in its process) (default: by run, see the table above)"""
+    """prompts sampled per round and process, each with its whole group (default: DEFAULTS)"""
     group_size: int = 8
     """G: completions sampled per prompt (TRL: num_generations)"""
     temperature: float | None = None
-    """sampling temperature (log-probs are computed at the same temperature) (default: by run, see the table above)"""
+    """τ: sampling temperature, also of every log-prob (default: DEFAULTS)"""
     max_new_tokens: int | None = None
-    """completion length limit (TRL: max_completion_length, 512) (default: by run, see the table above)"""
+    """completion length limit (TRL: max_completion_length) (default: DEFAULTS)"""
     static_cache: bool = False
-    """sample with a static (preallocated) KV cache; on CUDA transformers then compiles the decoding step: faster after a slow first call, the same distribution"""
+    """sample with a preallocated KV cache (on CUDA: compiled decoding, faster after the first call)"""
     # the objective: clipped ratio ρ, KL to π_ref, advantages Â
     clip_eps: float = 0.2
     """ε: the ratio ρ is clipped to [1−ε, 1+ε_h] (TRL: epsilon)"""
     clip_eps_high: float | None = None
-    """ε_h, DAPO's clip-higher (e.g. 0.28): a larger upper clip lets unlikely tokens gain probability (None: ε) (TRL: epsilon_high)"""
+    """ε_h: DAPO's clip-higher, e.g. 0.28 (None: ε) (TRL: epsilon_high)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    """token: ρ per token (GRPO); sequence: GSPO's length-normalised sequence ratio for every token of a completion"""
+    """token: ρ per token (GRPO); sequence: GSPO's length-normalised sequence ratio"""
     beta: float = 0.04
-    """β: weight of the k3 KL penalty to the reference (0 skips the reference model); DeepSeekMath's 0.04, TRL's default is 0"""
+    """β: weight of the k3 KL penalty to π_ref (0: no reference model; TRL's default is 0)"""
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
-    """grpo: mean of per-sequence token means (DeepSeekMath's); dapo: mean over all tokens (TRL's default); dr_grpo: sum / (B · max_new_tokens)"""
+    """grpo: mean of sequences' token means; dapo: mean over all tokens; dr_grpo: sum / (B·max_new_tokens)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide advantages by the reward std of each group (DeepSeekMath), of the whole batch, or not at all (Dr. GRPO)"""
+    """divide Â by the reward std of each group, of the whole batch, or not at all (Dr. GRPO)"""
     mask_truncated_completions: bool = False
-    """completions cut at --max-new-tokens without an EOS contribute no loss (DAPO's overlong filtering)"""
+    """completions cut at --max-new-tokens without an EOS get no loss (DAPO's overlong filtering)"""
     dynamic_sampling: bool = False
-    """drop groups whose rewards are all equal and sample more prompts until the step has --prompts-per-step groups (DAPO)"""
+    """drop groups whose rewards all tie and sample more prompts to fill the step (DAPO)"""
     max_sampling_rounds: int = 4
-    """with --dynamic-sampling: rounds of sampling at most per step; short of groups then, the step trains on those it has"""
+    """with --dynamic-sampling: most rounds of sampling a step; then it trains on the groups it has"""
     # optimisation
     steps: int | None = None
-    """optimisation rounds; each samples prompts_per_step × group_size completions (default: by run, see the table above)"""
+    """optimisation rounds of prompts_per_step × group_size completions each (default: DEFAULTS)"""
     num_iterations: int = 1
     """μ: optimiser steps on each generated batch (1: old log-probs are the current ones, detached)"""
     grad_accum_steps: int | None = None
-    """micro-batches per optimiser step: the round's prompts_per_step × group_size sequences go through forward and backward in this many parts, gradients summed (less memory) (default: by run, see the table above)"""
+    """micro-batches a round's sequences are split into, gradients summed (default: DEFAULTS)"""
     lr: float | None = None
-    """learning rate (AdamW) (default: by run, see the table above)"""
+    """learning rate (AdamW) (default: DEFAULTS)"""
     warmup_steps: int | None = None
-    """linear warm-up steps (default: by run, see the table above)"""
+    """linear warm-up steps (default: DEFAULTS)"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold (global L2 norm)"""
     # evaluation
@@ -102,18 +121,18 @@ class Args:
     lora_dropout: float = 0.0
     """dropout on the adapters' input (0, like every dropout here: log-probs must be deterministic)"""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """names of the modules that get adapters (all-linear: every linear layer of the decoder, not the LM head)"""
+    """modules that get adapters (all-linear: every linear layer of the decoder, not the LM head)"""
     merge_lora: bool = False
-    """with --lora-r: save merged full weights W + (α/r)·B·A in output_dir (the adapter in output_dir/adapter) instead of the adapter alone"""
+    """with --lora-r: save W + (α/r)·B·A merged in output_dir (the adapter in output_dir/adapter)"""
     # run: precision, processes, logging, checkpoints
     seed: int = 1
     """seed for torch and python"""
     bf16: bool = torch.cuda.is_available()
-    """bf16 autocast with fp32 master weights, the reference held in bf16 (default: on with CUDA; on the CPU it emulates the GPU's numerics, slowly)"""
+    """bf16 autocast, fp32 master weights, frozen models in bf16 (default: on with CUDA)"""
     fsdp: bool = False
-    """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
+    """under torchrun: shard parameters, gradients and optimiser state (FSDP2) instead of DDP"""
     gradient_checkpointing: bool = False
-    """recompute activations during the backward pass: much less memory for long sequences, one more forward pass of compute"""
+    """recompute activations in the backward pass: less memory, one more forward of compute"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "align"
@@ -127,25 +146,11 @@ class Args:
     keep_checkpoints: int = 2
     """newest checkpoints kept; older ones are deleted"""
     resume: str | None = None
-    """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
+    """continue from this checkpoint directory, or `latest` in output_dir (none yet: start afresh)"""
 
     def __post_init__(self):
         if self.reward_funcs is None:  # the answer check, unless a reward model scores instead
             self.reward_funcs = () if self.reward_model else ("accuracy",)
-
-
-# The flags left at None above take a default that depends on the run: the built-in task's tuned value, or, with
-# any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
-# given on the command line always wins; --help lists both sets; the run prints which it used.
-DEFAULTS = {  # flag: (built-in task, pretrained model)
-    "steps": (60, 300),
-    "prompts_per_step": (64, 8),
-    "temperature": (0.7, 1.0),
-    "max_new_tokens": (8, 256),
-    "grad_accum_steps": (2, 8),
-    "lr": (2e-4, 1e-6),
-    "warmup_steps": (10, 0),
-}
 
 
 # ---------------------------------------------------------------- the math
@@ -250,8 +255,8 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torc
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, args: Args, greedy: bool = False):
-    """Completions [B,T] from π_θ/T exactly (KV cache, left-padded prompts), their mask, and whether each
-    ended with an EOS (any of eos_ids) rather than at the length limit."""
+    """Completions [B,T] from π_θ at temperature τ exactly (KV cache, left-padded prompts), their mask, and
+    whether each ended with an EOS (any of eos_ids) rather than at the length limit."""
     temperature = 0.0 if greedy else args.temperature
     out = generate_exactly(
         model, prompt_ids, prompt_mask, tokenizer, eos_ids, args.max_new_tokens, temperature, args.static_cache
@@ -260,6 +265,38 @@ def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, a
     mask = completion_mask(completion_ids, eos_ids)
     ended = torch.isin(completion_ids, eos_ids).any(1)  # a row cut by the limit has no padding: pad == EOS is harmless
     return completion_ids * mask + tokenizer.pad_token_id * (1 - mask), mask, ended
+
+
+@torch.no_grad()
+def sample(policy, tokenizer, eos_ids, rows, reward_sources, args: Args, device, autocast, step: int, greedy=False):
+    """Sample and score: a completion y of each row's prompt x from π_θ (greedy: its most likely tokens) and its
+    reward r (compute_rewards). Returns prompts and completions as id lists (to the first EOS), and as tensors
+    input_ids, attention_mask (prompt | completion), mask (completion tokens), ended; texts, rewards, by_source."""
+    prompts = common.tokenize_prompts(tokenizer, rows, args.max_prompt_length)
+    prompt_ids, prompt_mask = (t.to(device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
+    policy.eval()
+    with autocast:
+        completion_ids, mask, ended = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args, greedy)
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
+        completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
+        rewards, by_source = compute_rewards(
+            reward_sources, rows, texts, completions, ended, input_ids, attention_mask, args, step
+        )
+    policy.train()
+    out = dict(prompts=prompts, completions=completions, input_ids=input_ids, attention_mask=attention_mask)
+    return SimpleNamespace(**out, mask=mask, ended=ended, texts=texts, rewards=rewards, by_source=by_source)
+
+
+@contextlib.contextmanager
+def reference_policy(policy, ref):
+    """π_ref for a block of code: the frozen reference model, or with LoRA (ref None) the policy's own frozen
+    base weights, its adapter switched off: one model in memory instead of two."""
+    if ref is not None:
+        yield ref
+    else:
+        with policy.disable_adapter():
+            yield policy
 
 
 # ---------------------------------------------------------------- rewards r_i: functions with TRL's signature
@@ -295,6 +332,238 @@ def overlong(completion_ids, max_completion_length, **_) -> list[float]:
     return [max(-1.0, min(0.0, (L_max - L_cache - len(ids)) / L_cache)) for ids in completion_ids]
 
 
+def sample_step(policy, tokenizer, eos_ids, train_rows, batches, reward_sources, args: Args, run, autocast, step):
+    """Steps 1–2 of an optimiser step: sample() G completions of each of this process's next N = --prompts-per-step
+    prompts (rows i*G … i*G+G-1: one prompt's group). With --dynamic-sampling, groups whose rewards all tie (Â = 0)
+    are dropped and another round sampled, until every process has N groups or --max-sampling-rounds is reached;
+    each process then keeps as many as the fewest found (the same batch shape everywhere). Returns (every sequence
+    sampled, the kept ones, rounds), as per-sequence lists: prompts, completions, ended, rewards, rewards/<source>."""
+    N, G = args.prompts_per_step, args.group_size
+    sampled, kept, rounds = {}, {}, 0
+    while True:
+        rows = [train_rows[i] for i in process_share(next(batches), run, N) for _ in range(G)]
+        s = sample(policy, tokenizer, eos_ids, rows, reward_sources, args, run.device, autocast, step)
+        new = dict(prompts=s.prompts, completions=s.completions, ended=s.ended.tolist(), rewards=s.rewards.tolist())
+        new |= {f"rewards/{name}": r for name, r in s.by_source.items()}
+        rounds += 1
+        keep = informative_groups(s.rewards, G).tolist() if args.dynamic_sampling else [True] * N
+        for key, values in new.items():
+            sampled[key] = sampled.get(key, []) + values
+            kept[key] = kept.get(key, []) + [v for i, v in enumerate(values) if keep[i // G]]
+        n_groups = min(N, int(over_processes({"n": len(kept["rewards"]) // G}, run.device, "min")["n"]))
+        if not args.dynamic_sampling or n_groups == N or rounds == args.max_sampling_rounds:
+            return sampled, {key: values[: n_groups * G] for key, values in kept.items()}, rounds
+
+
+def clipped_update(dist_policy, batch: dict, advantages, loss_mask, old_logps, ref_logps, micro, args: Args, autocast):
+    """One optimiser step's gradients of ℒ = −J (grpo_loss) over the batch, a micro-batch (slice) at a time, each
+    weighted by its share of the batch's loss: its tokens (dapo, over every process) or its sequences. old_logps,
+    ref_logps: a tensor per micro-batch, or None (μ = 1: π_θold = π_θ, detached; β = 0). Returns the stats."""
+    input_ids, attention_mask, mask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    T, n = mask.shape[1], len(input_ids)
+    batch_tokens = over_processes({"tokens": loss_mask.sum().item()}, input_ids.device)["tokens"]
+    objective = dict(clip_eps=args.clip_eps, clip_eps_high=args.clip_eps_high, beta=args.beta, loss_type=args.loss_type)
+    objective |= dict(
+        importance_sampling_level=args.importance_sampling_level, max_completion_length=args.max_new_tokens
+    )
+    totals = {"loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0}  # + kl when β > 0
+    for k, s in enumerate(micro):
+        with gradient_sync(dist_policy, last=k == len(micro) - 1):
+            with autocast:
+                logps, entropy = forward_logps(
+                    dist_policy, input_ids[s], attention_mask[s], T, args.temperature, entropy=True
+                )
+            old = old_logps[k] if old_logps else logps.detach()  # μ = 1: ρ = 1, no extra forward pass
+            loss, stats = grpo_loss(
+                logps, old, ref_logps[k] if ref_logps else None, advantages[s], loss_mask[s], **objective
+            )
+            weight = loss_mask[s].sum() / max(batch_tokens, 1) if args.loss_type == "dapo" else len(logps) / n
+            (loss * weight).backward()
+        totals["loss"] += loss.item() * float(weight)
+        stats["entropy"] = (entropy * mask[s]).sum() / mask[s].sum()
+        for key in stats:
+            totals[key] = totals.get(key, 0.0) + stats[key].item() * len(logps) / n
+    return totals
+
+
+@torch.no_grad()
+def evaluate(policy, tokenizer, eos_ids, rows, reward_sources, args: Args, device, autocast, step: int):
+    """Greedy completions of held-out prompts (sample(), 128 at a time): the mean reward, each source's, and
+    accuracy when answers exist; and every sample."""
+    rewards, texts, by_source = [], [], {}
+    for i in range(0, len(rows), 128):
+        s = sample(policy, tokenizer, eos_ids, rows[i : i + 128], reward_sources, args, device, autocast, step, True)
+        rewards, texts = rewards + s.rewards.tolist(), texts + s.texts
+        by_source = {name: by_source.get(name, []) + r for name, r in s.by_source.items()}
+    metrics = {"eval/reward": sum(rewards) / len(rewards)} | {
+        f"eval/{k}": v for k, v in reward_stats(by_source).items()
+    }
+    if all(x["answer"] is not None for x in rows):
+        metrics["eval/accuracy"] = sum(common.is_correct(t, x["answer"]) for t, x in zip(texts, rows)) / len(rows)
+    return metrics, [
+        {"prompt": common.readable_prompt(x), "completion": t, "answer": x["answer"], "reward": r}
+        for x, t, r in zip(rows, texts, rewards)
+    ]
+
+
+def main(args: Args):
+    run = start_run(args, "grpo")  # flags checked, --resume found, seeds set, torchrun's processes joined
+    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    tokenizer, policy, ref, reward_sources = load_models(args, run)
+    dist_policy = wrap(policy, args, run.device)  # the policy's training forward, through DDP/FSDP2 under torchrun
+    # every id that ends a completion (chat models: several)
+    eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=run.device)
+    if run.world > 1:  # every process samples its own completions
+        torch.manual_seed(args.seed + run.rank)
+    train_rows, eval_rows = load_prompts(args, tokenizer)
+
+    # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=True)
+    schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
+    step_rows = args.prompts_per_step * run.world
+    batches, progress = begin_training(args, run, policy, optimizer, schedule, len(train_rows), step_rows)
+
+    def run_eval(step: int) -> dict:
+        metrics, samples = evaluate(
+            policy, tokenizer, eos_ids, eval_rows, reward_sources, args, run.device, autocast, step
+        )
+        return log_eval(run, step, metrics, samples)
+
+    last_eval = run.first_eval or run_eval(0)
+    G = args.group_size
+    for step in progress:
+        # 1. sample G completions of each of this process's N prompts from π_θold (the current policy), and
+        # 2. score them: r_i (--dynamic-sampling: groups whose rewards all tie are dropped, more prompts sampled)
+        t0 = time.time()
+        sampled, kept, rounds = sample_step(
+            policy, tokenizer, eos_ids, train_rows, batches, reward_sources, args, run, autocast, step
+        )
+        generation_s, n_groups = time.time() - t0, len(kept["rewards"]) // G
+
+        # 3. group-relative advantages Â_i (of every process's groups: --scale-rewards batch divides by their std)
+        rewards = torch.tensor(gather_lists(kept["rewards"]), device=run.device)
+        advantages = group_advantages(rewards, G, scale=args.scale_rewards).view(run.world, -1)[run.rank]
+
+        stats, grad_norm = {"loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0}, 0.0
+        if n_groups == 0:  # every group's rewards tied: Â = 0, nothing to learn from
+            common.warn_once(
+                f"every group's rewards tied in {rounds} rounds of sampling: such a step trains on nothing"
+            )
+        else:
+            # 4. log-probs of π_ref (β > 0) and of π_θold (μ > 1): once per batch, without gradients
+            batch = common.collate(kept["prompts"], kept["completions"], tokenizer.pad_token_id)
+            batch = {k: v.to(run.device) for k, v in batch.items()}
+            ended = torch.tensor(kept["ended"], device=run.device)
+            mask = batch["completion_mask"]
+            loss_mask = overlong_filter(mask, ended) if args.mask_truncated_completions else mask
+            size = math.ceil(len(mask) / args.grad_accum_steps)  # sequences a forward/backward pass
+            micro = [slice(i, i + size) for i in range(0, len(mask), size)]
+            ref_logps = old_logps = None
+            with torch.no_grad(), autocast:
+                T, ids, attn = mask.shape[1], batch["input_ids"], batch["attention_mask"]
+                if args.beta != 0:
+                    with reference_policy(policy, ref) as pi_ref:
+                        ref_logps = [forward_logps(pi_ref, ids[s], attn[s], T, args.temperature) for s in micro]
+                if args.num_iterations > 1:
+                    old_logps = [forward_logps(policy, ids[s], attn[s], T, args.temperature) for s in micro]
+
+            # 5. μ optimiser steps on the clipped objective (grpo_loss), gradients accumulated over micro-batches
+            for _ in range(args.num_iterations):
+                stats = clipped_update(
+                    dist_policy, batch, advantages, loss_mask, old_logps, ref_logps, micro, args, autocast
+                )
+                grad_norm = optimizer_step(args, run, step, [policy], optimizer)
+        schedule.step()
+
+        # 6. log, evaluate, checkpoint (the sampling metrics count every group sampled, kept or not)
+        rewards = torch.tensor(sampled["rewards"])
+        by_source = {k.removeprefix("rewards/"): v for k, v in sampled.items() if k.startswith("rewards/")}
+        stats |= {  # TRL's names
+            "grad_norm": grad_norm,
+            "lr": schedule.get_last_lr()[0],
+            "reward": rewards.mean().item(),
+            "reward_std": rewards.std().item(),
+            **reward_stats(by_source),
+            "frac_reward_zero_std": (~informative_groups(rewards, G)).float().mean().item(),
+            "completions/mean_length": sum(map(len, sampled["completions"])) / len(rewards),
+            "completions/clipped_ratio": 1 - sum(sampled["ended"]) / len(rewards),  # cut by the length limit, no EOS
+            "sampling_rounds": rounds,
+            "groups_trained": n_groups,
+            "generation_s": generation_s,
+        }
+        metrics = over_processes({f"train/{k}": v for k, v in stats.items()}, run.device)
+        log(run, metrics, step)
+        if metrics["train/completions/clipped_ratio"] > 0.5:
+            common.warn_once(
+                f"most completions hit the {args.max_new_tokens}-token limit without an EOS: raise --max-new-tokens"
+            )
+        progress.set_postfix(reward=f"{metrics['train/reward']:.3f}", kl=f"{metrics.get('train/kl', 0):.4f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            last_eval = run_eval(step)
+        maybe_checkpoint(args, run, step, policy, tokenizer, optimizer, schedule)
+
+    finish_run(args, run, policy, tokenizer, last_eval)
+
+
+# ======================================== plumbing: models, data, flag checks (main() reads fine without it)
+def load_models(args: Args, run):
+    """The tokenizer, π_θ (from the checkpoint on resume), π_ref (the starting policy, frozen; none when β = 0
+    or with LoRA) and the reward sources: the reward functions, r_ϕ and its tokenizer (None: no reward model, or
+    it reads the policy's tokens). Frozen models are held in bf16 with --bf16."""
+    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    reward_sources = SimpleNamespace(funcs=load_reward_funcs(args.reward_funcs), model=None, tokenizer=None)
+    ref = None
+    path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
+    tokenizer = common.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    policy = load_model(path, args.trust_remote_code)
+    policy = add_lora(policy, args, adapter=run.checkpoint).to(run.device)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(policy)
+    if args.beta != 0 and not args.lora_r:  # LoRA: π_ref is the policy with its adapter switched off
+        ref = load_model(args.model, args.trust_remote_code) if run.checkpoint else copy.deepcopy(policy)
+        ref.to(run.device, frozen_dtype).requires_grad_(False).eval()
+    if args.reward_model:
+        reward_model, rm_tokenizer = load_reward_model(args.reward_model, tokenizer, args.trust_remote_code)
+        reward_sources.model, reward_sources.tokenizer = reward_model, rm_tokenizer
+        reward_model.to(run.device, frozen_dtype).requires_grad_(False).eval()
+    return tokenizer, policy, ref, reward_sources
+
+
+def load_prompts(args: Args, tokenizer) -> tuple[list[dict], list[dict]]:
+    """The training prompts and the first --eval-size held-out ones; a dataset without answers needs a reward."""
+    train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
+    if (
+        list(args.reward_funcs) == ["accuracy"]
+        and not args.reward_model
+        and any(r["answer"] is None for r in eval_rows)
+    ):
+        fail(
+            f"dataset '{args.dataset}' has rows without an answer, which accuracy needs: pass --reward-model or --reward-funcs"
+        )
+    common.check_prompt_lengths(tokenizer, eval_rows, args.max_prompt_length)
+    print(f"{len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
+    return train_rows, eval_rows
+
+
+# the flags checked below the banner (check_args), besides those every script has
+METHOD_POSITIVE = "prompts_per_step num_iterations clip_eps max_sampling_rounds temperature max_prompt_length".split()
+METHOD_NON_NEGATIVE = ["beta"]
+
+
+def method_rules(args: Args) -> list[tuple[bool, str]]:
+    """(broken, message): flag combinations that cannot work."""
+    N, G, accum, high = args.prompts_per_step, args.group_size, args.grad_accum_steps, args.clip_eps_high
+    return [
+        (high is not None and not high >= 0, f"--clip-eps-high must be 0 or positive (got {high})"),
+        (G < 2, f"--group-size must be at least 2: a group of one has no baseline (got {G})"),
+        (accum > N * G, f"--grad-accum-steps ({accum}) must be at most --prompts-per-step × --group-size ({N * G})"),
+        *reward_rules(args),
+    ]
+
+
+# ---------------------------------------- reward sources: loading and calling them (the same text in grpo.py and ppo.py)
 REWARD_FUNCS = {"accuracy": accuracy, "format": format_reward, "think_format": think_format, "overlong": overlong}
 
 
@@ -351,7 +620,9 @@ def call_reward_func(name: str, fn, kwargs: dict, n: int) -> list[float | None]:
 
 
 @torch.no_grad()
-def score(sources, rows, texts, completion_ids, ended, input_ids, attention_mask, args: Args, step: int):
+def compute_rewards(
+    reward_sources, rows, texts, completion_ids, ended, input_ids, attention_mask, args: Args, step: int
+):
     """r_i [B] = Σ_k w_k·r_k,i over the reward functions, then r_ϕ (a None skips its term: TRL's nansum), and each
     source's rewards by name. Functions get TRL's keywords: prompts, completions (message lists for chat
     prompts), completion_ids (to the first EOS), every other dataset column, trainer_state; and ended (stopped at
@@ -366,22 +637,22 @@ def score(sources, rows, texts, completion_ids, ended, input_ids, attention_mask
         ended=ended.tolist(),
         max_completion_length=args.max_new_tokens,
     )
-    values = {name: call_reward_func(name, fn, kwargs, len(rows)) for name, fn in sources.funcs}
-    if sources.model is not None:
-        values["reward_model"] = score_completions(
-            sources.model, sources.tokenizer, input_ids, attention_mask, rows, texts, ended, args
+    by_source = {name: call_reward_func(name, fn, kwargs, len(rows)) for name, fn in reward_sources.funcs}
+    if reward_sources.model is not None:
+        by_source["reward_model"] = reward_model_scores(
+            reward_sources.model, reward_sources.tokenizer, input_ids, attention_mask, rows, texts, ended, args
         ).tolist()
-    table = torch.tensor([[math.nan if r is None else r for r in rs] for rs in values.values()])  # [sources, B]
+    table = torch.tensor([[math.nan if r is None else r for r in rs] for rs in by_source.values()])  # [sources, B]
     if table.isnan().all(0).any():
         common.warn_once("every reward source returned None for some completions: their reward is 0")
-    weights = torch.tensor(args.reward_weights or [1.0] * len(values)).unsqueeze(1)
-    return (weights * table).nansum(0).to(input_ids.device), values
+    weights = torch.tensor(args.reward_weights or [1.0] * len(by_source)).unsqueeze(1)
+    return (weights * table).nansum(0).to(input_ids.device), by_source
 
 
-def reward_stats(values: dict) -> dict:
+def reward_stats(by_source: dict) -> dict:
     """rewards/<name>/mean and /std of each source over the completions it scored (None left out; TRL's names)."""
     stats = {}
-    for name, rewards in values.items():
+    for name, rewards in by_source.items():
         r = torch.tensor([x for x in rewards if x is not None] or [math.nan], dtype=torch.float64)
         stats |= {f"rewards/{name}/mean": r.mean().item(), f"rewards/{name}/std": r.std().item() if len(r) > 1 else 0.0}
     return stats
@@ -397,56 +668,6 @@ def reward_rules(args: Args) -> list[tuple[bool, str]]:
             f"--reward-weights has {len(w or ())} values for {n} reward sources (each of --reward-funcs, then --reward-model)",
         ),
     ]
-
-
-@torch.no_grad()
-def sample_groups(policy, tokenizer, eos_ids, rows, sources, args: Args, device, autocast, step: int) -> dict:
-    """One round of steps 1–2: a completion of each row from π_θold (rows i*G … i*G+G-1: one prompt's group) and
-    its reward r_i, as per-sequence lists: prompt ids, completion ids (to the first EOS), ended (with an
-    EOS, not cut by the length limit), rewards, and each reward source's as rewards/<name>."""
-    prompts = common.tokenize_prompts(tokenizer, rows, args.max_prompt_length)
-    prompt_ids, prompt_mask = (t.to(device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
-    policy.eval()
-    with autocast:
-        completion_ids, mask, ended = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
-        completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
-        rewards, values = score(sources, rows, texts, completions, ended, input_ids, attention_mask, args, step)
-    policy.train()
-    sampled = {"prompts": prompts, "completions": completions, "ended": ended.tolist(), "rewards": rewards.tolist()}
-    return sampled | {f"rewards/{name}": v for name, v in values.items()}
-
-
-def sample_step(policy, tokenizer, eos_ids, train_rows, batches, sources, args: Args, run, autocast, step: int):
-    """Steps 1–2 of an optimiser step: sample_groups on this process's next N = --prompts-per-step prompts. With
-    --dynamic-sampling, groups whose rewards all tie (Â = 0) are dropped and another round sampled, until every
-    process has N groups or --max-sampling-rounds is reached; each process then keeps as many as the fewest found
-    (the same batch shape everywhere). Returns (every sequence sampled, the kept ones, the rounds sampled)."""
-    N, G = args.prompts_per_step, args.group_size
-    sampled, kept, rounds = {}, {}, 0
-    while True:
-        rows = [train_rows[i] for i in process_share(next(batches), run, N) for _ in range(G)]
-        new = sample_groups(policy, tokenizer, eos_ids, rows, sources, args, run.device, autocast, step)
-        rounds += 1
-        keep = informative_groups(torch.tensor(new["rewards"]), G).tolist() if args.dynamic_sampling else [True] * N
-        for key, values in new.items():
-            sampled[key] = sampled.get(key, []) + values
-            kept[key] = kept.get(key, []) + [v for i, v in enumerate(values) if keep[i // G]]
-        n_groups = min(N, int(over_processes({"n": len(kept["rewards"]) // G}, run.device, "min")["n"]))
-        if not args.dynamic_sampling or n_groups == N or rounds == args.max_sampling_rounds:
-            return sampled, {key: values[: n_groups * G] for key, values in kept.items()}, rounds
-
-
-@contextlib.contextmanager
-def reference_policy(policy, ref):
-    """π_ref for a block of code: the frozen reference model, or with LoRA (ref None) the policy's own frozen
-    base weights, its adapter switched off: one model in memory instead of two."""
-    if ref is not None:
-        yield ref
-    else:
-        with policy.disable_adapter():
-            yield policy
 
 
 def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
@@ -473,218 +694,16 @@ def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
 
 
 @torch.no_grad()
-def score_completions(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args: Args):
-    """r_ϕ(x, y) [B] (reward_scores, below), minus reward_model.py's centring offset; of the policy's ids, or with
+def reward_model_scores(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args: Args):
+    """r_ϕ(x, y) [B] (score_at_last_token, below), minus reward_model.py's centring offset; of the policy's ids, or with
     rm_tokenizer (another vocabulary), of the decoded texts re-tokenized its way."""
     if rm_tokenizer is not None:
         input_ids, attention_mask = (
             t.to(input_ids.device)
             for t in common.retokenize(rm_tokenizer, rows, texts, ended.tolist(), args.max_prompt_length)
         )
-    return reward_scores(reward_model, input_ids, attention_mask) - getattr(reward_model.config, "reward_offset", 0.0)
-
-
-def load_models(args: Args, run):
-    """The tokenizer, π_θ (from the checkpoint on resume), π_ref (the starting policy, frozen; none when β = 0
-    or with LoRA) and the reward sources: the reward functions, r_ϕ and its tokenizer (None: no reward model, or
-    it reads the policy's tokens). Frozen models are held in bf16 with --bf16."""
-    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
-    sources = SimpleNamespace(funcs=load_reward_funcs(args.reward_funcs), model=None, tokenizer=None)
-    ref = None
-    path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
-    tokenizer = common.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-    policy = load_model(path, args.trust_remote_code)
-    policy = add_lora(policy, args, adapter=run.checkpoint).to(run.device)
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(policy)
-    if args.beta != 0 and not args.lora_r:  # LoRA: π_ref is the policy with its adapter switched off
-        ref = load_model(args.model, args.trust_remote_code) if run.checkpoint else copy.deepcopy(policy)
-        ref.to(run.device, frozen_dtype).requires_grad_(False).eval()
-    if args.reward_model:
-        sources.model, sources.tokenizer = load_reward_model(args.reward_model, tokenizer, args.trust_remote_code)
-        sources.model.to(run.device, frozen_dtype).requires_grad_(False).eval()
-    return tokenizer, policy, ref, sources
-
-
-# the flags checked below the banner (check_args), besides those every script has
-METHOD_POSITIVE = "prompts_per_step num_iterations clip_eps max_sampling_rounds temperature max_prompt_length".split()
-METHOD_NON_NEGATIVE = ["beta"]
-
-
-def method_rules(args: Args) -> list[tuple[bool, str]]:
-    """(broken, message): flag combinations that cannot work."""
-    N, G, accum, high = args.prompts_per_step, args.group_size, args.grad_accum_steps, args.clip_eps_high
-    return [
-        (high is not None and not high >= 0, f"--clip-eps-high must be 0 or positive (got {high})"),
-        (G < 2, f"--group-size must be at least 2: a group of one has no baseline (got {G})"),
-        (accum > N * G, f"--grad-accum-steps ({accum}) must be at most --prompts-per-step × --group-size ({N * G})"),
-        *reward_rules(args),
-    ]
-
-
-@torch.no_grad()
-def evaluate(policy, tokenizer, eos_ids, rows, sources, args: Args, device, autocast, step: int) -> tuple[dict, list]:
-    """Greedy completions on held-out prompts: accuracy when answers exist, the mean reward and each source's; every
-    sample."""
-    policy.eval()
-    rewards, texts, values = [], [], {}
-    for i in range(0, len(rows), 128):
-        batch_rows = rows[i : i + 128]
-        prompts = common.tokenize_prompts(tokenizer, batch_rows, args.max_prompt_length)
-        ids, mask = (t.to(device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
-        with autocast:
-            completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
-            batch_texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            input_ids, attention_mask = torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1)
-            completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), cmask.sum(1).tolist())]
-            r, v = score(sources, batch_rows, batch_texts, completions, ended, input_ids, attention_mask, args, step)
-        rewards, texts = rewards + r.tolist(), texts + batch_texts
-        values = {name: values.get(name, []) + v[name] for name in v}
-    policy.train()
-    metrics = {"eval/reward": sum(rewards) / len(rewards)} | {f"eval/{k}": v for k, v in reward_stats(values).items()}
-    if all(x["answer"] is not None for x in rows):
-        metrics["eval/accuracy"] = sum(common.is_correct(t, x["answer"]) for t, x in zip(texts, rows)) / len(rows)
-    return metrics, [
-        {"prompt": common.readable_prompt(x), "completion": t, "answer": x["answer"], "reward": v}
-        for x, t, v in zip(rows, texts, rewards)
-    ]
-
-
-def main(args: Args):
-    run = start_run(args, "grpo")  # flags checked, --resume found, seeds set, torchrun's processes joined
-    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    tokenizer, policy, ref, sources = load_models(args, run)
-    trained = wrap(policy, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
-    # every id that ends a completion (chat models: several)
-    eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=run.device)
-    if run.world > 1:  # every process samples its own completions
-        torch.manual_seed(args.seed + run.rank)
-
-    train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
-    eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
-    if (
-        list(args.reward_funcs) == ["accuracy"]
-        and not args.reward_model
-        and any(r["answer"] is None for r in eval_rows)
-    ):
-        fail(
-            f"dataset '{args.dataset}' has rows without an answer, which accuracy needs: pass --reward-model or --reward-funcs"
-        )
-    common.check_prompt_lengths(tokenizer, eval_rows, args.max_prompt_length)
-    print(f"{len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
-
-    # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=True)
-    schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
-    step_rows = args.prompts_per_step * run.world
-    batches, progress = begin_training(args, run, policy, optimizer, schedule, len(train_rows), step_rows)
-    # --dynamic-sampling's extra rounds draw more batches: on resume, the data position is one a step plus these
-    run.extra_batches = run.state.get("extra_batches", 0) if run.state else 0
-    for _ in range(run.extra_batches):
-        next(batches)
-
-    def extra_state() -> dict:  # what GRPO's checkpoints hold besides the usual
-        return {"extra_batches": run.extra_batches}
-
-    def run_eval(step: int) -> dict:
-        metrics, samples = evaluate(policy, tokenizer, eos_ids, eval_rows, sources, args, run.device, autocast, step)
-        return log_eval(run, step, metrics, samples)
-
-    last_eval = run.first_eval or run_eval(0)
-    G = args.group_size
-    objective = dict(clip_eps=args.clip_eps, clip_eps_high=args.clip_eps_high, beta=args.beta, loss_type=args.loss_type)
-    objective |= dict(
-        importance_sampling_level=args.importance_sampling_level, max_completion_length=args.max_new_tokens
-    )
-    for step in progress:
-        # 1. sample G completions for each of this process's N prompts from π_θold (the current policy) and
-        # 2. score them (r_i); --dynamic-sampling: groups whose rewards all tie are dropped and more prompts sampled
-        t0 = time.time()
-        sampled, kept, rounds = sample_step(
-            policy, tokenizer, eos_ids, train_rows, batches, sources, args, run, autocast, step
-        )
-        gen_time, n_groups = time.time() - t0, len(kept["rewards"]) // G
-        run.extra_batches += rounds - 1
-        totals, grad_norm = {"loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0}, 0.0  # + kl when β > 0
-        if n_groups == 0:
-            common.warn_once(
-                f"every group's rewards tied in {rounds} rounds of sampling: such a step trains on nothing"
-            )
-        else:
-            batch = common.collate(kept["prompts"], kept["completions"], tokenizer.pad_token_id)
-            names = ("input_ids", "attention_mask", "completion_ids", "completion_mask")
-            input_ids, attention_mask, completion_ids, mask = (batch[k].to(run.device) for k in names)
-            ended = torch.tensor(kept["ended"], device=run.device)
-            # group-relative advantages Â_i (over every process's groups: --scale-rewards batch takes the whole batch's std)
-            rewards = torch.tensor(gather_lists(kept["rewards"]), device=run.device)
-            advantages = group_advantages(rewards, G, scale=args.scale_rewards).view(run.world, -1)[run.rank]
-            loss_mask = overlong_filter(mask, ended) if args.mask_truncated_completions else mask
-
-            # 3. reference (and, for μ > 1, old) log-probs: once per batch, without gradients
-            size = math.ceil(len(input_ids) / args.grad_accum_steps)  # sequences per forward/backward pass
-            micro = [slice(i, i + size) for i in range(0, len(input_ids), size)]
-            rollout = [(input_ids[s], attention_mask[s], completion_ids.shape[1]) for s in micro]
-            ref_logps = old_logps = None
-            with torch.no_grad(), autocast:
-                if args.beta != 0:
-                    with reference_policy(policy, ref) as pi_ref:
-                        ref_logps = [forward_logps(pi_ref, *r, args.temperature) for r in rollout]
-                if args.num_iterations > 1:
-                    old_logps = [forward_logps(policy, *r, args.temperature) for r in rollout]
-
-            # 4. μ optimiser steps on the clipped objective, gradients accumulated over micro-batches
-            # dapo averages over every token of the step, in all processes (DDP averages the processes' gradients)
-            batch_tokens = over_processes({"tokens": loss_mask.sum().item()}, run.device)["tokens"]
-            for _ in range(args.num_iterations):
-                totals = {"loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0}
-                for k, s in enumerate(micro):
-                    with gradient_sync(trained, last=k == len(micro) - 1):
-                        with autocast:
-                            logps, entropy = forward_logps(trained, *rollout[k], args.temperature, entropy=True)
-                        old = old_logps[k] if old_logps else logps.detach()  # μ = 1: ρ = 1, no extra forward pass
-                        ref_k = ref_logps[k] if ref_logps else None
-                        loss, stats = grpo_loss(logps, old, ref_k, advantages[s], loss_mask[s], **objective)
-                        # each micro-batch's share of the batch loss: its tokens (dapo) or its sequences (grpo, dr_grpo)
-                        if args.loss_type == "dapo":
-                            weight = loss_mask[s].sum() / max(batch_tokens, 1)
-                        else:
-                            weight = len(logps) / len(input_ids)
-                        (loss * weight).backward()
-                    totals["loss"] += loss.item() * float(weight)
-                    stats["entropy"] = (entropy * mask[s]).sum() / mask[s].sum()
-                    for key in stats:
-                        totals[key] = totals.get(key, 0.0) + stats[key].item() * len(logps) / len(input_ids)
-                grad_norm = optimizer_step(args, run, step, [policy], optimizer)
-        schedule.step()
-
-        # 5. log, evaluate, checkpoint (the sampling metrics count every group sampled, kept or not)
-        rewards, groups = torch.tensor(sampled["rewards"]), torch.tensor(sampled["rewards"]).view(-1, G)
-        totals |= {  # TRL's names
-            "grad_norm": grad_norm,
-            "lr": schedule.get_last_lr()[0],
-            "reward": rewards.mean().item(),
-            "reward_std": rewards.std().item(),
-            **reward_stats({k[8:]: v for k, v in sampled.items() if k.startswith("rewards/")}),
-            "frac_reward_zero_std": (groups.max(1).values == groups.min(1).values).float().mean().item(),
-            "completions/mean_length": sum(map(len, sampled["completions"])) / len(rewards),
-            "completions/clipped_ratio": 1 - sum(sampled["ended"]) / len(rewards),  # cut by the length limit, no EOS
-            "sampling_rounds": rounds,
-            "groups_trained": n_groups,
-            "generation_s": gen_time,
-        }
-        metrics = over_processes({f"train/{k}": v for k, v in totals.items()}, run.device)
-        log(run, metrics, step)
-        if metrics["train/completions/clipped_ratio"] > 0.5:
-            common.warn_once(
-                f"most completions hit the {args.max_new_tokens}-token limit without an EOS: raise --max-new-tokens"
-            )
-        progress.set_postfix(reward=f"{metrics['train/reward']:.3f}", kl=f"{metrics.get('train/kl', 0):.4f}")
-        if step % args.eval_every == 0 or step == args.steps:
-            last_eval = run_eval(step)
-        maybe_checkpoint(args, run, step, policy, tokenizer, optimizer, schedule, extra_state)
-
-    finish_run(args, run, policy, tokenizer, last_eval)
+    offset = getattr(reward_model.config, "reward_offset", 0.0)  # reward_model.py's centring
+    return score_at_last_token(reward_model, input_ids, attention_mask) - offset
 
 
 # ======================================================================================================
@@ -742,7 +761,7 @@ def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, out
             if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
                 setattr(config, key, 0.0)  # log-probs must be deterministic
         if cls is AutoModelForSequenceClassification and config.pad_token_id is None:
-            config.pad_token_id = 0  # its forward refuses batches without one; head_outputs reads every position
+            config.pad_token_id = 0  # its forward refuses batches without one; position_scores reads every position
         kwargs = dict(config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
         return cls.from_pretrained(path, output_loading_info=output_loading_info, **kwargs)
     except common.DataError:
@@ -797,7 +816,7 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def forward_logps(model, input_ids, attention_mask, T: int, temperature: float = 1.0, entropy: bool = False):
-    """log π(y_t) [B,T] of the last T tokens at temperature T (the hidden state at t predicts token t+1);
+    """log π(y_t) [B,T] of the last T tokens at temperature τ (the hidden state at t predicts token t+1);
     entropy=True: also the entropy of each π(·|x, y_<t), without gradient."""
     positions = position_ids(attention_mask)  # logits for one position only: the LM head runs a chunk at a time
     out = model(
@@ -806,7 +825,7 @@ def forward_logps(model, input_ids, attention_mask, T: int, temperature: float =
     return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], input_ids[:, -T:], temperature, entropy)
 
 
-def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
+def position_scores(model, input_ids, attention_mask) -> torch.Tensor:
     """A sequence-classification model's scalar head at every position [B, L] (a reward model, a critic), the
     forward through the DDP/FSDP2 wrapper, so that its gradients are synced as the policy's are."""
     out = model(
@@ -815,15 +834,15 @@ def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
     return unwrap(model).score(out.hidden_states[-1]).squeeze(-1).float()
 
 
-def reward_scores(model, input_ids, attention_mask) -> torch.Tensor:
+def score_at_last_token(model, input_ids, attention_mask) -> torch.Tensor:
     """r_ϕ(x, y) [B]: a reward model's scalar head at each row's last real token (any padding)."""
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)
-    return head_outputs(model, input_ids, attention_mask)[torch.arange(len(last)), last]
+    return position_scores(model, input_ids, attention_mask)[torch.arange(len(last)), last]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log π(y_t | ·) = log softmax(logits / T)[y_t]: logits [B,T,V], tokens [B,T] → [B,T]; as gather − logsumexp
-    in fp32 (T divides fp32 logits, as sampling does), so no [B,T,V] log-softmax is materialised."""
+    """log π(y_t | ·) = log softmax(logits / τ)[y_t]: logits [B,T,V], tokens [B,T] → [B,T]; as gather − logsumexp
+    in fp32 (τ divides fp32 logits, as sampling does), so no [B,T,V] log-softmax is materialised."""
     logits = logits.float() / temperature
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
@@ -855,13 +874,13 @@ def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperat
 def generate_exactly(
     model, prompt_ids, prompt_mask, tokenizer, eos_ids, max_new_tokens, temperature=0.0, static_cache=False, n=1
 ) -> torch.Tensor:
-    """[prompt | completion] ids: n completions of each left-padded prompt from exactly softmax(logits / T), the
-    π_θ of every log-prob here (greedy at T = 0), each ending at its first EOS. The model's generation_config
+    """[prompt | completion] ids: n completions of each left-padded prompt from exactly softmax(logits / τ), the
+    π_θ of every log-prob here (greedy at τ = 0), each ending at its first EOS. The model's generation_config
     (top_k, top_p, … on hub chat models) is set aside for the call. static_cache: a preallocated KV cache."""
     sharded = isinstance(model, FSDPModule)  # FSDP2: every process must run each decoding step (synced_gpus)
     model = unwrap(model)  # LoRA: generate() reads the inner model's generation_config
     config = GenerationConfig(do_sample=temperature > 0, max_new_tokens=max_new_tokens, num_return_sequences=n)
-    if temperature:  # exactly softmax(logits / T): top_k 0 and top_p 1 turn generate()'s top-50 default off
+    if temperature:  # exactly softmax(logits / τ): top_k 0 and top_p 1 turn generate()'s top-50 default off
         config.update(temperature=temperature, top_k=0, top_p=1.0)
     config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=[int(i) for i in eos_ids])
     config.cache_implementation = "static" if static_cache else None
@@ -912,14 +931,20 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     at the step's end. Returns the endless batches of `step_rows` row indices, and the steps left as a progress bar."""
     if n_rows < step_rows:
         fail(f"{n_rows} training rows are fewer than one step takes ({step_rows}, over all processes)")
-    batches = common.shuffled_batches(n_rows, step_rows, args.seed)
+
+    def counted(batches):  # a resumed run skips as many as were drawn (GRPO's --dynamic-sampling draws extra)
+        for batch in batches:
+            run.batches_drawn += 1
+            yield batch
+
+    run.batches_drawn, batches = 0, counted(common.shuffled_batches(n_rows, step_rows, args.seed))
     step = run.state["step"] if run.state else 0
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
         dcp.set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=FULL_STATE)
         schedule.load_state_dict(run.state["schedule"])
-        for _ in range(step):
+        for _ in range(run.state["batches_drawn"]):
             next(batches)
         rng = run.state["rng"][run.rank]
         torch.set_rng_state(rng["torch"])
@@ -1031,6 +1056,7 @@ def maybe_checkpoint(args: Args, run, step: int, model, tokenizer, optimizer, sc
     if (args.save_every and step % args.save_every == 0) or stopping:
         wandb_id = run.wandb.id if run.wandb else None
         state = dict(run_name=run.name, wandb_id=wandb_id, first_eval=run.first_eval, shown=run.shown, **extra())
+        state["batches_drawn"] = run.batches_drawn
         state["schedule"] = schedule.state_dict()
         run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, state)
     if stopping:

@@ -18,11 +18,30 @@ arXiv:1506.02438) in PPO's clipped objective (Schulman et al. 2017, arXiv:1707.0
 import contextlib
 import copy
 import importlib.util
+import math
+import os
+import re
+import sys
+import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
+from transformers import AutoModelForSequenceClassification
 
 import common
+
+# Flags whose default depends on the run: the built-in task's tuned value, or with any other dataset or model one
+# fit for a pretrained model (TRL's where TRL has one). A flag given always wins; the run prints the set it used.
+DEFAULTS = {  # flag: (built-in task, pretrained model)
+    "steps": (60, 200),
+    "prompts_per_step": (128, 16),
+    "max_new_tokens": (8, 256),
+    "kl_coef": (0.5, 0.05),
+    "num_ppo_epochs": (2, 4),
+    "lr": (2e-5, 3e-6),
+    "warmup_steps": (10, 0),
+}
 
 
 @dataclass
@@ -31,9 +50,9 @@ class Args:
     model: str = "models/sft"
     """policy to start from (hub id or path); also the frozen reference π_ref"""
     reward_model: str | None = None
-    """reward model r_ϕ (sequence classification, one label); the critic V_ψ starts as a copy of it (default: models/reward, unless --reward-funcs are given)"""
+    """reward model r_ϕ, also where V_ψ starts (default: models/reward, unless --reward-funcs)"""
     reward_funcs: tuple[str, ...] = ()
-    """reward functions added to r_ϕ's score (or instead of it): built-ins accuracy, format, think_format, overlong, or your own with TRL's signature as `path/to/file.py:function` or `module.function`"""
+    """reward functions added to r_ϕ (or instead): accuracy, format, think_format, overlong, file.py:fn, …"""
     reward_weights: tuple[float, ...] | None = None
     """weight of each reward function, then of the reward model (default: 1 each)"""
     dataset: str = "arithmetic"
@@ -48,24 +67,24 @@ class Args:
     """allow model repositories to run their own code"""
     # sampling
     prompts_per_step: int | None = None
-    """prompts per rollout (one completion each) (default: by run, see the table above)"""
+    """prompts per rollout (one completion each) (default: DEFAULTS)"""
     temperature: float = 0.7
     """sampling temperature (every log-prob is computed at the same temperature)"""
     max_new_tokens: int | None = None
-    """completion length limit (default: by run, see the table above)"""
+    """completion length limit (default: DEFAULTS)"""
     static_cache: bool = False
-    """sample with a static (preallocated) KV cache; on CUDA transformers then compiles the decoding step: faster after a slow first call, the same distribution"""
+    """sample with a preallocated KV cache (on CUDA: compiled decoding, faster after the first call)"""
     # the objective: clipped ratio ρ, KL-penalised rewards, GAE advantages Â, value loss
     clip_eps: float = 0.2
     """ε: the ratio ρ is clipped to [1−ε, 1+ε_h]"""
     clip_eps_high: float | None = None
-    """ε_h, DAPO's clip-higher (e.g. 0.28): a larger upper clip lets unlikely tokens gain probability (None: ε)"""
+    """ε_h: DAPO's clip-higher, e.g. 0.28 (None: ε)"""
     clip_eps_value: float = 0.2
     """values move at most this far from V_old in the clipped value loss"""
     vf_coef: float = 0.1
     """weight of the value loss"""
     kl_coef: float | None = None
-    """β: per-token KL penalty to the reference in the reward (default: by run, see the table above)"""
+    """β: per-token KL penalty to the reference in the reward (default: DEFAULTS)"""
     gamma: float = 1.0
     """γ: discount"""
     lam: float = 0.95
@@ -74,17 +93,17 @@ class Args:
     """subtracted from the score of completions that never emit EOS (0: off)"""
     # optimisation
     steps: int | None = None
-    """rollout/update rounds (default: by run, see the table above)"""
+    """rollout/update rounds (default: DEFAULTS)"""
     num_ppo_epochs: int | None = None
-    """passes over each rollout (default: by run, see the table above)"""
+    """passes over each rollout (default: DEFAULTS)"""
     num_mini_batches: int = 2
     """minibatches per pass (one optimiser step each)"""
     grad_accum_steps: int = 1
     """micro-batches per minibatch: gradients are summed over them before its optimiser step (less memory)"""
     lr: float | None = None
-    """learning rate of policy and critic (AdamW) (default: by run, see the table above)"""
+    """learning rate of policy and critic (AdamW) (default: DEFAULTS)"""
     warmup_steps: int | None = None
-    """linear warm-up rounds (default: by run, see the table above)"""
+    """linear warm-up rounds (default: DEFAULTS)"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold (global L2 norm, policy and critic each)"""
     # evaluation
@@ -100,18 +119,18 @@ class Args:
     lora_dropout: float = 0.0
     """dropout on the adapters' input (0, like every dropout here: log-probs must be deterministic)"""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """names of the modules that get adapters (all-linear: every linear layer of the decoder, not the LM head)"""
+    """modules that get adapters (all-linear: every linear layer of the decoder, not the LM head)"""
     merge_lora: bool = False
-    """with --lora-r: save merged full weights W + (α/r)·B·A in output_dir (the adapter in output_dir/adapter) instead of the adapter alone"""
+    """with --lora-r: save W + (α/r)·B·A merged in output_dir (the adapter in output_dir/adapter)"""
     # run: precision, processes, logging, checkpoints
     seed: int = 1
     """seed for torch and python"""
     bf16: bool = torch.cuda.is_available()
-    """bf16 autocast with fp32 master weights, reference and reward model held in bf16 (default: on with CUDA; on the CPU it emulates the GPU's numerics, slowly)"""
+    """bf16 autocast, fp32 master weights, frozen models in bf16 (default: on with CUDA)"""
     fsdp: bool = False
-    """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
+    """under torchrun: shard parameters, gradients and optimiser state (FSDP2) instead of DDP"""
     gradient_checkpointing: bool = False
-    """recompute activations during the backward pass: much less memory for long sequences, one more forward pass of compute"""
+    """recompute activations in the backward pass: less memory, one more forward of compute"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "align"
@@ -125,25 +144,11 @@ class Args:
     keep_checkpoints: int = 2
     """newest checkpoints kept; older ones are deleted"""
     resume: str | None = None
-    """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
+    """continue from this checkpoint directory, or `latest` in output_dir (none yet: start afresh)"""
 
     def __post_init__(self):
         if self.reward_model is None and not self.reward_funcs:  # RLHF: the reward model of reward_model.py
             self.reward_model = "models/reward"
-
-
-# The flags left at None above take a default that depends on the run: the built-in task's tuned value, or, with
-# any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
-# given on the command line always wins; --help lists both sets; the run prints which it used.
-DEFAULTS = {  # flag: (built-in task, pretrained model)
-    "steps": (60, 200),
-    "prompts_per_step": (128, 16),
-    "max_new_tokens": (8, 256),
-    "kl_coef": (0.5, 0.05),
-    "num_ppo_epochs": (2, 4),
-    "lr": (2e-5, 3e-6),
-    "warmup_steps": (10, 0),
-}
 
 
 # ---------------------------------------------------------------- the math
@@ -215,7 +220,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 # ---------------------------------------------------------------- the method's helpers
 def critic_values(critic, input_ids, attention_mask, T: int) -> torch.Tensor:
     """V_ψ(s_t) [B,T]: the value of the state before completion token t (read where y_t is predicted)."""
-    return head_outputs(critic, input_ids, attention_mask)[:, -T - 1 : -1]
+    return position_scores(critic, input_ids, attention_mask)[:, -T - 1 : -1]
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
@@ -226,8 +231,8 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torc
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, args: Args, greedy: bool = False):
-    """Completions [B,T] from π_θ/T exactly (KV cache, left-padded prompts), their mask, and whether each
-    ended with an EOS (any of eos_ids) rather than at the length limit."""
+    """Completions [B,T] from π_θ at temperature τ exactly (KV cache, left-padded prompts), their mask, and
+    whether each ended with an EOS (any of eos_ids) rather than at the length limit."""
     temperature = 0.0 if greedy else args.temperature
     out = generate_exactly(
         model, prompt_ids, prompt_mask, tokenizer, eos_ids, args.max_new_tokens, temperature, args.static_cache
@@ -239,15 +244,35 @@ def generate(model, prompt_ids, prompt_mask, tokenizer, eos_ids: torch.Tensor, a
 
 
 @torch.no_grad()
-def score_completions(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args: Args):
-    """r_ϕ(x, y) [B] (reward_scores, below), minus reward_model.py's centring offset; of the policy's ids, or with
-    rm_tokenizer (another vocabulary), of the decoded texts re-tokenized its way."""
-    if rm_tokenizer is not None:
-        input_ids, attention_mask = (
-            t.to(input_ids.device)
-            for t in common.retokenize(rm_tokenizer, rows, texts, ended.tolist(), args.max_prompt_length)
+def sample(policy, tokenizer, eos_ids, rows, reward_sources, args: Args, device, autocast, step: int, greedy=False):
+    """Sample and score: a completion y of each row's prompt x from π_θ (greedy: its most likely tokens) and its
+    reward r (compute_rewards). Returns prompts and completions as id lists (to the first EOS), and as tensors
+    input_ids, attention_mask (prompt | completion), mask (completion tokens), ended; texts, rewards, by_source."""
+    prompts = common.tokenize_prompts(tokenizer, rows, args.max_prompt_length)
+    prompt_ids, prompt_mask = (t.to(device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
+    policy.eval()
+    with autocast:
+        completion_ids, mask, ended = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args, greedy)
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
+        completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
+        rewards, by_source = compute_rewards(
+            reward_sources, rows, texts, completions, ended, input_ids, attention_mask, args, step
         )
-    return reward_scores(reward_model, input_ids, attention_mask) - getattr(reward_model.config, "reward_offset", 0.0)
+    policy.train()
+    out = dict(prompts=prompts, completions=completions, input_ids=input_ids, attention_mask=attention_mask)
+    return SimpleNamespace(**out, mask=mask, ended=ended, texts=texts, rewards=rewards, by_source=by_source)
+
+
+@contextlib.contextmanager
+def reference_policy(policy, ref):
+    """π_ref for a block of code: the frozen reference model, or with LoRA (ref None) the policy's own frozen
+    base weights, its adapter switched off: one model in memory instead of two."""
+    if ref is not None:
+        yield ref
+    else:
+        with policy.disable_adapter():
+            yield policy
 
 
 # ---------------------------------------------------------------- rewards r_i: functions with TRL's signature
@@ -283,6 +308,199 @@ def overlong(completion_ids, max_completion_length, **_) -> list[float]:
     return [max(-1.0, min(0.0, (L_max - L_cache - len(ids)) / L_cache)) for ids in completion_ids]
 
 
+@torch.no_grad()
+def evaluate(policy, tokenizer, eos_ids, rows, reward_sources, args: Args, device, autocast, step: int):
+    """Greedy completions of held-out prompts (sample(), 128 at a time): the mean score, each reward source's,
+    and accuracy when answers exist; and every sample."""
+    scores, texts, by_source = [], [], {}
+    for i in range(0, len(rows), 128):
+        s = sample(policy, tokenizer, eos_ids, rows[i : i + 128], reward_sources, args, device, autocast, step, True)
+        scores, texts = scores + s.rewards.tolist(), texts + s.texts
+        by_source = {name: by_source.get(name, []) + r for name, r in s.by_source.items()}
+    metrics = {"eval/score": sum(scores) / len(scores)} | {f"eval/{k}": v for k, v in reward_stats(by_source).items()}
+    if all(r["answer"] is not None for r in rows):
+        metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
+    return metrics, [
+        {"prompt": common.readable_prompt(r), "completion": t, "answer": r["answer"], "score": v}
+        for r, t, v in zip(rows, texts, scores)
+    ]
+
+
+def main(args: Args):
+    run = start_run(args, "ppo")  # flags checked, --resume found, seeds set, torchrun's processes joined
+    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    tokenizer, policy, critic, ref, reward_sources = load_models(args, run)
+    # every id that ends a completion (chat models: several)
+    eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=run.device)
+    dist_policy = wrap(policy, args, run.device)  # the training forwards, through DDP/FSDP2 under torchrun
+    dist_critic = wrap(critic, args, run.device)
+    both = torch.nn.ModuleDict({"policy": policy, "critic": critic})  # one optimiser, one checkpoint for the two
+    if run.world > 1:  # every process samples its own completions
+        torch.manual_seed(args.seed + run.rank)
+    train_rows, eval_rows = load_prompts(args, tokenizer)
+
+    # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
+    trainable = [p for p in both.parameters() if p.requires_grad]  # LoRA: the two adapters and the value head
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=True)
+    schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
+    step_rows = args.prompts_per_step * run.world
+    batches, progress = begin_training(args, run, both, optimizer, schedule, len(train_rows), step_rows)
+
+    def run_eval(step: int) -> dict:
+        metrics, samples = evaluate(
+            policy, tokenizer, eos_ids, eval_rows, reward_sources, args, run.device, autocast, step
+        )
+        return log_eval(run, step, metrics, samples)
+
+    last_eval = run.first_eval or run_eval(0)
+    for step in progress:
+        # 1. rollout: sample a completion of each prompt from π_θold and score it (r_ϕ and/or reward functions)
+        rows = [train_rows[i] for i in process_share(next(batches), run, args.prompts_per_step)]
+        t0 = time.time()
+        rollout = sample(policy, tokenizer, eos_ids, rows, reward_sources, args, run.device, autocast, step)
+        generation_s = time.time() - t0
+        input_ids, attention_mask, mask, ended = rollout.input_ids, rollout.attention_mask, rollout.mask, rollout.ended
+        T = mask.shape[1]  # completion tokens
+        scores = rollout.rewards - args.missing_eos_penalty * (~ended).float()
+
+        # 2. log-probs of π_θold and π_ref and the values V_ψ(s_t), without gradients
+        with torch.no_grad(), autocast:
+            old_logps = forward_logps(policy, input_ids, attention_mask, T, args.temperature)
+            with reference_policy(policy, ref) as pi_ref:
+                ref_logps = forward_logps(pi_ref, input_ids, attention_mask, T, args.temperature)
+            old_values = critic_values(critic, input_ids, attention_mask, T)
+
+        # 3. per-token rewards with the KL penalty, GAE advantages Â (whitened over the batch) and returns
+        rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, args.kl_coef)
+        advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
+        advantages = whiten(advantages, mask)
+
+        # 4. update: num_ppo_epochs passes over num_mini_batches minibatches, one optimiser step each
+        names = "policy_loss value_loss clip_fraction approx_kl value_clip_fraction entropy grad_norm".split()
+        stats = dict.fromkeys(names, 0.0)
+        mb_size, n_updates = len(input_ids) // args.num_mini_batches, args.num_ppo_epochs * args.num_mini_batches
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(len(input_ids), device=run.device)
+            for mb in order[: mb_size * args.num_mini_batches].split(mb_size):
+                micros = mb.chunk(args.grad_accum_steps)
+                for k, micro in enumerate(micros):
+                    share = mask[micro].sum() / mask[mb].sum()  # both losses are token means over the minibatch
+                    ids, attn = input_ids[micro], attention_mask[micro]
+                    with gradient_sync(dist_policy, dist_critic, last=k == len(micros) - 1):
+                        with autocast:
+                            logps, entropy = forward_logps(dist_policy, ids, attn, T, args.temperature, entropy=True)
+                            values = critic_values(dist_critic, ids, attn, T)
+                        pg_loss, pg_stats = ppo_policy_loss(
+                            logps, old_logps[micro], advantages[micro], mask[micro], args.clip_eps, args.clip_eps_high
+                        )
+                        vf_loss = ppo_value_loss(
+                            values, old_values[micro], returns[micro], mask[micro], args.clip_eps_value
+                        )
+                        ((pg_loss + args.vf_coef * vf_loss) * share).backward()
+                    vf_clipped = ((values - old_values[micro]).abs() > args.clip_eps_value).float()
+                    micro_stats = dict(policy_loss=pg_loss, value_loss=vf_loss, **pg_stats)
+                    micro_stats["value_clip_fraction"] = masked_mean(vf_clipped, mask[micro])
+                    micro_stats["entropy"] = masked_mean(entropy, mask[micro])
+                    for key, value in micro_stats.items():  # means over the minibatches of the round
+                        stats[key] += share.item() * value.item() / n_updates
+                stats["grad_norm"] += optimizer_step(args, run, step, [policy, critic], optimizer) / n_updates
+        schedule.step()
+
+        # 5. log, evaluate, checkpoint
+        kl = ((old_logps - ref_logps) * mask).sum(1)  # per-sequence KL estimate to the reference
+        stats |= {
+            "score": scores.mean().item(),
+            **reward_stats(rollout.by_source),
+            "kl": kl.mean().item(),
+            "rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
+            "explained_variance": explained_variance(old_values, returns, mask),
+            "completions/mean_length": mask.sum(1).float().mean().item(),  # named as in grpo.py (TRL's GRPO)
+            "completions/clipped_ratio": 1 - ended.float().mean().item(),  # cut by the length limit, no EOS
+            "lr": schedule.get_last_lr()[0],
+            "generation_s": generation_s,
+        }
+        metrics = over_processes({f"train/{k}": v for k, v in stats.items()}, run.device)
+        log(run, metrics, step)
+        if metrics["train/completions/clipped_ratio"] > 0.5:
+            common.warn_once(
+                f"most completions hit the {args.max_new_tokens}-token limit without an EOS: raise --max-new-tokens"
+            )
+        progress.set_postfix(score=f"{metrics['train/score']:.3f}", kl=f"{metrics['train/kl']:.3f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            last_eval = run_eval(step)
+        maybe_checkpoint(args, run, step, both, tokenizer, optimizer, schedule)
+
+    finish_run(args, run, policy, tokenizer, last_eval)  # the policy alone: a plain causal LM
+
+
+# ======================================== plumbing: models, data, flag checks (main() reads fine without it)
+def load_models(args: Args, run):
+    """Four models: the policy π_θ and critic V_ψ train (from the checkpoint on resume); the reference π_ref
+    (the starting policy; None with LoRA: the policy with its adapter switched off) and the reward model r_ϕ
+    are frozen, held in bf16 with --bf16. Also the tokenizer and the reward sources: the reward functions, r_ϕ
+    and its tokenizer (None: no reward model, or it reads the policy's tokens)."""
+    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    reward_sources = SimpleNamespace(funcs=load_reward_funcs(args.reward_funcs), model=None, tokenizer=None)
+    ref, critic_checkpoint = None, run.checkpoint and os.path.join(run.checkpoint, "critic")
+    path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
+    tokenizer = common.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    policy = load_model(path, args.trust_remote_code)
+    policy = add_lora(policy, args, adapter=run.checkpoint).to(run.device)
+    if not args.lora_r:  # LoRA: π_ref is the policy with its adapter switched off
+        ref = load_model(args.model, args.trust_remote_code) if run.checkpoint else copy.deepcopy(policy)
+        ref.to(run.device, frozen_dtype).requires_grad_(False).eval()
+    if args.reward_model:
+        reward_sources.model, reward_sources.tokenizer = load_reward_model(
+            args.reward_model, tokenizer, args.trust_remote_code
+        )
+    if critic_checkpoint and not args.lora_r:
+        critic = load_model(critic_checkpoint, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
+    elif (
+        reward_sources.model is not None and reward_sources.tokenizer is None
+    ):  # V_ψ starts from r_ϕ: it knows what scores well
+        critic = copy.deepcopy(reward_sources.model)
+    else:  # no r_ϕ, or one that cannot read the policy's tokens: the policy's weights with a new value head
+        critic = load_model(args.model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
+        print("note: the critic starts from the policy with a new value head")
+    critic = add_lora(critic, args, "SEQ_CLS", adapter=critic_checkpoint).to(run.device)
+    if reward_sources.model is not None:
+        reward_sources.model.to(run.device, frozen_dtype).requires_grad_(False).eval()
+    if args.gradient_checkpointing:
+        for model in (policy, critic):
+            enable_gradient_checkpointing(model)
+    return tokenizer, policy, critic, ref, reward_sources
+
+
+def load_prompts(args: Args, tokenizer) -> tuple[list[dict], list[dict]]:
+    """The training prompts and the first --eval-size held-out ones."""
+    train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
+    common.check_prompt_lengths(tokenizer, eval_rows, args.max_prompt_length)
+    print(f"{len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
+    return train_rows, eval_rows
+
+
+# the flags checked below the banner (check_args), besides those every script has
+METHOD_POSITIVE = (
+    "prompts_per_step num_ppo_epochs num_mini_batches clip_eps clip_eps_value temperature max_prompt_length".split()
+)
+METHOD_NON_NEGATIVE = "vf_coef kl_coef missing_eos_penalty".split()
+
+
+def method_rules(args: Args) -> list[tuple[bool, str]]:
+    """(broken, message): flag combinations that cannot work."""
+    N, M, accum, high = args.prompts_per_step, args.num_mini_batches, args.grad_accum_steps, args.clip_eps_high
+    gamma, lam = args.gamma, args.lam
+    return [
+        (high is not None and not high >= 0, f"--clip-eps-high must be 0 or positive (got {high})"),
+        (N < M * accum, f"--prompts-per-step ({N}) must be at least --num-mini-batches × --grad-accum-steps"),
+        (N % M != 0, f"--prompts-per-step ({N}) must be divisible by --num-mini-batches ({M})"),
+        (not (0 <= lam <= 1 and 0 <= gamma <= 1), f"--gamma and --lam must be in [0, 1] (got {gamma}, {lam})"),
+        *reward_rules(args),
+    ]
+
+
+# ---------------------------------------- reward sources: loading and calling them (the same text in grpo.py and ppo.py)
 REWARD_FUNCS = {"accuracy": accuracy, "format": format_reward, "think_format": think_format, "overlong": overlong}
 
 
@@ -339,7 +557,9 @@ def call_reward_func(name: str, fn, kwargs: dict, n: int) -> list[float | None]:
 
 
 @torch.no_grad()
-def score(sources, rows, texts, completion_ids, ended, input_ids, attention_mask, args: Args, step: int):
+def compute_rewards(
+    reward_sources, rows, texts, completion_ids, ended, input_ids, attention_mask, args: Args, step: int
+):
     """r_i [B] = Σ_k w_k·r_k,i over the reward functions, then r_ϕ (a None skips its term: TRL's nansum), and each
     source's rewards by name. Functions get TRL's keywords: prompts, completions (message lists for chat
     prompts), completion_ids (to the first EOS), every other dataset column, trainer_state; and ended (stopped at
@@ -354,22 +574,22 @@ def score(sources, rows, texts, completion_ids, ended, input_ids, attention_mask
         ended=ended.tolist(),
         max_completion_length=args.max_new_tokens,
     )
-    values = {name: call_reward_func(name, fn, kwargs, len(rows)) for name, fn in sources.funcs}
-    if sources.model is not None:
-        values["reward_model"] = score_completions(
-            sources.model, sources.tokenizer, input_ids, attention_mask, rows, texts, ended, args
+    by_source = {name: call_reward_func(name, fn, kwargs, len(rows)) for name, fn in reward_sources.funcs}
+    if reward_sources.model is not None:
+        by_source["reward_model"] = reward_model_scores(
+            reward_sources.model, reward_sources.tokenizer, input_ids, attention_mask, rows, texts, ended, args
         ).tolist()
-    table = torch.tensor([[math.nan if r is None else r for r in rs] for rs in values.values()])  # [sources, B]
+    table = torch.tensor([[math.nan if r is None else r for r in rs] for rs in by_source.values()])  # [sources, B]
     if table.isnan().all(0).any():
         common.warn_once("every reward source returned None for some completions: their reward is 0")
-    weights = torch.tensor(args.reward_weights or [1.0] * len(values)).unsqueeze(1)
-    return (weights * table).nansum(0).to(input_ids.device), values
+    weights = torch.tensor(args.reward_weights or [1.0] * len(by_source)).unsqueeze(1)
+    return (weights * table).nansum(0).to(input_ids.device), by_source
 
 
-def reward_stats(values: dict) -> dict:
+def reward_stats(by_source: dict) -> dict:
     """rewards/<name>/mean and /std of each source over the completions it scored (None left out; TRL's names)."""
     stats = {}
-    for name, rewards in values.items():
+    for name, rewards in by_source.items():
         r = torch.tensor([x for x in rewards if x is not None] or [math.nan], dtype=torch.float64)
         stats |= {f"rewards/{name}/mean": r.mean().item(), f"rewards/{name}/std": r.std().item() if len(r) > 1 else 0.0}
     return stats
@@ -385,17 +605,6 @@ def reward_rules(args: Args) -> list[tuple[bool, str]]:
             f"--reward-weights has {len(w or ())} values for {n} reward sources (each of --reward-funcs, then --reward-model)",
         ),
     ]
-
-
-@contextlib.contextmanager
-def reference_policy(policy, ref):
-    """π_ref for a block of code: the frozen reference model, or with LoRA (ref None) the policy's own frozen
-    base weights, its adapter switched off: one model in memory instead of two."""
-    if ref is not None:
-        yield ref
-    else:
-        with policy.disable_adapter():
-            yield policy
 
 
 def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
@@ -421,201 +630,17 @@ def load_reward_model(path: str, tokenizer, trust_remote_code: bool):
     return model, own
 
 
-def load_models(args: Args, run):
-    """Four models: the policy π_θ and critic V_ψ train (from the checkpoint on resume); the reference π_ref
-    (the starting policy; None with LoRA: the policy with its adapter switched off) and the reward model r_ϕ
-    are frozen, held in bf16 with --bf16. Also the tokenizer and the reward sources: the reward functions, r_ϕ
-    and its tokenizer (None: no reward model, or it reads the policy's tokens)."""
-    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
-    sources = SimpleNamespace(funcs=load_reward_funcs(args.reward_funcs), model=None, tokenizer=None)
-    ref, critic_checkpoint = None, run.checkpoint and os.path.join(run.checkpoint, "critic")
-    path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
-    tokenizer = common.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-    policy = load_model(path, args.trust_remote_code)
-    policy = add_lora(policy, args, adapter=run.checkpoint).to(run.device)
-    if not args.lora_r:  # LoRA: π_ref is the policy with its adapter switched off
-        ref = load_model(args.model, args.trust_remote_code) if run.checkpoint else copy.deepcopy(policy)
-        ref.to(run.device, frozen_dtype).requires_grad_(False).eval()
-    if args.reward_model:
-        sources.model, sources.tokenizer = load_reward_model(args.reward_model, tokenizer, args.trust_remote_code)
-    if critic_checkpoint and not args.lora_r:
-        critic = load_model(critic_checkpoint, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-    elif sources.model is not None and sources.tokenizer is None:  # V_ψ starts from r_ϕ: it knows what scores well
-        critic = copy.deepcopy(sources.model)
-    else:  # no r_ϕ, or one that cannot read the policy's tokens: the policy's weights with a new value head
-        critic = load_model(args.model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-        print("note: the critic starts from the policy with a new value head")
-    critic = add_lora(critic, args, "SEQ_CLS", adapter=critic_checkpoint).to(run.device)
-    if sources.model is not None:
-        sources.model.to(run.device, frozen_dtype).requires_grad_(False).eval()
-    if args.gradient_checkpointing:
-        for model in (policy, critic):
-            enable_gradient_checkpointing(model)
-    return tokenizer, policy, critic, ref, sources
-
-
-# the flags checked below the banner (check_args), besides those every script has
-METHOD_POSITIVE = (
-    "prompts_per_step num_ppo_epochs num_mini_batches clip_eps clip_eps_value temperature max_prompt_length".split()
-)
-METHOD_NON_NEGATIVE = "vf_coef kl_coef missing_eos_penalty".split()
-
-
-def method_rules(args: Args) -> list[tuple[bool, str]]:
-    """(broken, message): flag combinations that cannot work."""
-    N, M, accum, high = args.prompts_per_step, args.num_mini_batches, args.grad_accum_steps, args.clip_eps_high
-    gamma, lam = args.gamma, args.lam
-    return [
-        (high is not None and not high >= 0, f"--clip-eps-high must be 0 or positive (got {high})"),
-        (N < M * accum, f"--prompts-per-step ({N}) must be at least --num-mini-batches × --grad-accum-steps"),
-        (N % M != 0, f"--prompts-per-step ({N}) must be divisible by --num-mini-batches ({M})"),
-        (not (0 <= lam <= 1 and 0 <= gamma <= 1), f"--gamma and --lam must be in [0, 1] (got {gamma}, {lam})"),
-        *reward_rules(args),
-    ]
-
-
 @torch.no_grad()
-def evaluate(policy, tokenizer, eos_ids, rows, sources, args: Args, device, autocast, step: int) -> tuple[dict, list]:
-    """Greedy completions on held-out prompts: accuracy when answers exist, the mean score and each reward source's;
-    every sample."""
-    policy.eval()
-    scores, texts, values = [], [], {}
-    for i in range(0, len(rows), 128):
-        batch_rows = rows[i : i + 128]
-        prompts = common.tokenize_prompts(tokenizer, batch_rows, args.max_prompt_length)
-        ids, mask = (t.to(device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
-        with autocast:
-            completion_ids, cmask, ended = generate(policy, ids, mask, tokenizer, eos_ids, args, greedy=True)
-            batch_texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            input_ids, attention_mask = torch.cat([ids, completion_ids], 1), torch.cat([mask, cmask], 1)
-            completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), cmask.sum(1).tolist())]
-            s, v = score(sources, batch_rows, batch_texts, completions, ended, input_ids, attention_mask, args, step)
-        scores, texts = scores + s.tolist(), texts + batch_texts
-        values = {name: values.get(name, []) + v[name] for name in v}
-    policy.train()
-    metrics = {"eval/score": sum(scores) / len(scores)} | {f"eval/{k}": v for k, v in reward_stats(values).items()}
-    if all(r["answer"] is not None for r in rows):
-        metrics["eval/accuracy"] = sum(common.is_correct(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
-    return metrics, [
-        {"prompt": common.readable_prompt(r), "completion": t, "answer": r["answer"], "score": v}
-        for r, t, v in zip(rows, texts, scores)
-    ]
-
-
-def main(args: Args):
-    run = start_run(args, "ppo")  # flags checked, --resume found, seeds set, torchrun's processes joined
-    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    tokenizer, policy, critic, ref, sources = load_models(args, run)
-    # every id that ends a completion (chat models: several)
-    eos_ids = torch.tensor(common.eos_token_ids(tokenizer, policy.generation_config), device=run.device)
-    trained = wrap(policy, args, run.device)  # the policy's training forward goes through the DDP/FSDP2 wrapper
-    trained_critic = wrap(critic, args, run.device)
-    both = torch.nn.ModuleDict({"policy": policy, "critic": critic})  # one optimiser, one checkpoint for the two
-    if run.world > 1:  # every process samples its own completions
-        torch.manual_seed(args.seed + run.rank)
-
-    train_rows = common.load_rows(args.dataset, "train", "prompt", tokenizer, args.dataset_config)
-    eval_rows = common.load_rows(args.dataset, "test", "prompt", tokenizer, args.dataset_config)[: args.eval_size]
-    common.check_prompt_lengths(tokenizer, eval_rows, args.max_prompt_length)
-    print(f"{len(train_rows)} train / {len(eval_rows)} held-out prompts from {args.dataset}")
-
-    # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
-    trainable = [p for p in both.parameters() if p.requires_grad]  # LoRA: the two adapters and the value head
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=True)
-    schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
-    step_rows = args.prompts_per_step * run.world
-    batches, progress = begin_training(args, run, both, optimizer, schedule, len(train_rows), step_rows)
-
-    def run_eval(step: int) -> dict:
-        metrics, samples = evaluate(policy, tokenizer, eos_ids, eval_rows, sources, args, run.device, autocast, step)
-        return log_eval(run, step, metrics, samples)
-
-    last_eval = run.first_eval or run_eval(0)
-    for step in progress:
-        # 1. rollout: sample completions from π_θold, score them, and record everything PPO needs
-        rows = [train_rows[i] for i in process_share(next(batches), run, args.prompts_per_step)]
-        prompts = common.tokenize_prompts(tokenizer, rows, args.max_prompt_length)
-        prompt_ids, prompt_mask = (t.to(run.device) for t in common.pad(prompts, tokenizer.pad_token_id, "left"))
-        t0 = time.time()
-        policy.eval()
-        with autocast:
-            completion_ids, mask, ended = generate(policy, prompt_ids, prompt_mask, tokenizer, eos_ids, args)
-        policy.train()
-        gen_time = time.time() - t0
-        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
-        T = completion_ids.shape[1]
-        with torch.no_grad(), autocast:
-            old_logps = forward_logps(policy, input_ids, attention_mask, T, args.temperature)
-            with reference_policy(policy, ref) as pi_ref:
-                ref_logps = forward_logps(pi_ref, input_ids, attention_mask, T, args.temperature)
-            old_values = critic_values(critic, input_ids, attention_mask, T)
-            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
-            scores, by_source = score(sources, rows, texts, completions, ended, input_ids, attention_mask, args, step)
-        scores = scores - args.missing_eos_penalty * (~ended).float()
-
-        # 2. per-token rewards with the KL penalty, GAE advantages Â (whitened over the batch) and returns
-        rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, args.kl_coef)
-        advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
-        advantages = whiten(advantages, mask)
-
-        # 3. update: num_ppo_epochs passes over num_mini_batches minibatches, one optimiser step each
-        names = "policy_loss value_loss clip_fraction approx_kl value_clip_fraction entropy grad_norm".split()
-        stats = dict.fromkeys(names, 0.0)
-        mb_size, n_updates = len(input_ids) // args.num_mini_batches, args.num_ppo_epochs * args.num_mini_batches
-        for _ in range(args.num_ppo_epochs):
-            order = torch.randperm(len(input_ids), device=run.device)
-            for mb in order[: mb_size * args.num_mini_batches].split(mb_size):
-                micros = mb.chunk(args.grad_accum_steps)
-                for k, micro in enumerate(micros):
-                    share = mask[micro].sum() / mask[mb].sum()  # both losses are token means over the minibatch
-                    with gradient_sync(trained, trained_critic, last=k == len(micros) - 1):
-                        with autocast:
-                            logps, entropy = forward_logps(
-                                trained, input_ids[micro], attention_mask[micro], T, args.temperature, entropy=True
-                            )
-                            values = critic_values(trained_critic, input_ids[micro], attention_mask[micro], T)
-                        pg_loss, pg_stats = ppo_policy_loss(
-                            logps, old_logps[micro], advantages[micro], mask[micro], args.clip_eps, args.clip_eps_high
-                        )
-                        vf_loss = ppo_value_loss(
-                            values, old_values[micro], returns[micro], mask[micro], args.clip_eps_value
-                        )
-                        ((pg_loss + args.vf_coef * vf_loss) * share).backward()
-                    vf_clipped = ((values - old_values[micro]).abs() > args.clip_eps_value).float()
-                    micro_stats = dict(policy_loss=pg_loss, value_loss=vf_loss, **pg_stats)
-                    micro_stats["value_clip_fraction"] = masked_mean(vf_clipped, mask[micro])
-                    micro_stats["entropy"] = masked_mean(entropy, mask[micro])
-                    for key, value in micro_stats.items():  # means over the minibatches of the round
-                        stats[key] += share.item() * value.item() / n_updates
-                stats["grad_norm"] += optimizer_step(args, run, step, [policy, critic], optimizer) / n_updates
-        schedule.step()
-
-        # 4. log, evaluate, checkpoint
-        kl = ((old_logps - ref_logps) * mask).sum(1)  # per-sequence KL estimate to the reference
-        stats |= {
-            "score": scores.mean().item(),
-            **reward_stats(by_source),
-            "kl": kl.mean().item(),
-            "rlhf_reward": (scores - args.kl_coef * kl).mean().item(),
-            "explained_variance": explained_variance(old_values, returns, mask),
-            "completions/mean_length": mask.sum(1).float().mean().item(),  # named as in grpo.py (TRL's GRPO)
-            "completions/clipped_ratio": 1 - ended.float().mean().item(),  # cut by the length limit, no EOS
-            "lr": schedule.get_last_lr()[0],
-            "generation_s": gen_time,
-        }
-        metrics = over_processes({f"train/{k}": v for k, v in stats.items()}, run.device)
-        log(run, metrics, step)
-        if metrics["train/completions/clipped_ratio"] > 0.5:
-            common.warn_once(
-                f"most completions hit the {args.max_new_tokens}-token limit without an EOS: raise --max-new-tokens"
-            )
-        progress.set_postfix(score=f"{metrics['train/score']:.3f}", kl=f"{metrics['train/kl']:.3f}")
-        if step % args.eval_every == 0 or step == args.steps:
-            last_eval = run_eval(step)
-        maybe_checkpoint(args, run, step, both, tokenizer, optimizer, schedule)
-
-    finish_run(args, run, policy, tokenizer, last_eval)  # the policy alone: a plain causal LM
+def reward_model_scores(reward_model, rm_tokenizer, input_ids, attention_mask, rows, texts, ended, args: Args):
+    """r_ϕ(x, y) [B] (score_at_last_token, below), minus reward_model.py's centring offset; of the policy's ids, or with
+    rm_tokenizer (another vocabulary), of the decoded texts re-tokenized its way."""
+    if rm_tokenizer is not None:
+        input_ids, attention_mask = (
+            t.to(input_ids.device)
+            for t in common.retokenize(rm_tokenizer, rows, texts, ended.tolist(), args.max_prompt_length)
+        )
+    offset = getattr(reward_model.config, "reward_offset", 0.0)  # reward_model.py's centring
+    return score_at_last_token(reward_model, input_ids, attention_mask) - offset
 
 
 # ======================================================================================================
@@ -673,7 +698,7 @@ def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, out
             if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
                 setattr(config, key, 0.0)  # log-probs must be deterministic
         if cls is AutoModelForSequenceClassification and config.pad_token_id is None:
-            config.pad_token_id = 0  # its forward refuses batches without one; head_outputs reads every position
+            config.pad_token_id = 0  # its forward refuses batches without one; position_scores reads every position
         kwargs = dict(config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
         return cls.from_pretrained(path, output_loading_info=output_loading_info, **kwargs)
     except common.DataError:
@@ -728,7 +753,7 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def forward_logps(model, input_ids, attention_mask, T: int, temperature: float = 1.0, entropy: bool = False):
-    """log π(y_t) [B,T] of the last T tokens at temperature T (the hidden state at t predicts token t+1);
+    """log π(y_t) [B,T] of the last T tokens at temperature τ (the hidden state at t predicts token t+1);
     entropy=True: also the entropy of each π(·|x, y_<t), without gradient."""
     positions = position_ids(attention_mask)  # logits for one position only: the LM head runs a chunk at a time
     out = model(
@@ -737,7 +762,7 @@ def forward_logps(model, input_ids, attention_mask, T: int, temperature: float =
     return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], input_ids[:, -T:], temperature, entropy)
 
 
-def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
+def position_scores(model, input_ids, attention_mask) -> torch.Tensor:
     """A sequence-classification model's scalar head at every position [B, L] (a reward model, a critic), the
     forward through the DDP/FSDP2 wrapper, so that its gradients are synced as the policy's are."""
     out = model(
@@ -746,15 +771,15 @@ def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
     return unwrap(model).score(out.hidden_states[-1]).squeeze(-1).float()
 
 
-def reward_scores(model, input_ids, attention_mask) -> torch.Tensor:
+def score_at_last_token(model, input_ids, attention_mask) -> torch.Tensor:
     """r_ϕ(x, y) [B]: a reward model's scalar head at each row's last real token (any padding)."""
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)
-    return head_outputs(model, input_ids, attention_mask)[torch.arange(len(last)), last]
+    return position_scores(model, input_ids, attention_mask)[torch.arange(len(last)), last]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log π(y_t | ·) = log softmax(logits / T)[y_t]: logits [B,T,V], tokens [B,T] → [B,T]; as gather − logsumexp
-    in fp32 (T divides fp32 logits, as sampling does), so no [B,T,V] log-softmax is materialised."""
+    """log π(y_t | ·) = log softmax(logits / τ)[y_t]: logits [B,T,V], tokens [B,T] → [B,T]; as gather − logsumexp
+    in fp32 (τ divides fp32 logits, as sampling does), so no [B,T,V] log-softmax is materialised."""
     logits = logits.float() / temperature
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
@@ -786,13 +811,13 @@ def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperat
 def generate_exactly(
     model, prompt_ids, prompt_mask, tokenizer, eos_ids, max_new_tokens, temperature=0.0, static_cache=False, n=1
 ) -> torch.Tensor:
-    """[prompt | completion] ids: n completions of each left-padded prompt from exactly softmax(logits / T), the
-    π_θ of every log-prob here (greedy at T = 0), each ending at its first EOS. The model's generation_config
+    """[prompt | completion] ids: n completions of each left-padded prompt from exactly softmax(logits / τ), the
+    π_θ of every log-prob here (greedy at τ = 0), each ending at its first EOS. The model's generation_config
     (top_k, top_p, … on hub chat models) is set aside for the call. static_cache: a preallocated KV cache."""
     sharded = isinstance(model, FSDPModule)  # FSDP2: every process must run each decoding step (synced_gpus)
     model = unwrap(model)  # LoRA: generate() reads the inner model's generation_config
     config = GenerationConfig(do_sample=temperature > 0, max_new_tokens=max_new_tokens, num_return_sequences=n)
-    if temperature:  # exactly softmax(logits / T): top_k 0 and top_p 1 turn generate()'s top-50 default off
+    if temperature:  # exactly softmax(logits / τ): top_k 0 and top_p 1 turn generate()'s top-50 default off
         config.update(temperature=temperature, top_k=0, top_p=1.0)
     config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=[int(i) for i in eos_ids])
     config.cache_implementation = "static" if static_cache else None
@@ -843,14 +868,20 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     at the step's end. Returns the endless batches of `step_rows` row indices, and the steps left as a progress bar."""
     if n_rows < step_rows:
         fail(f"{n_rows} training rows are fewer than one step takes ({step_rows}, over all processes)")
-    batches = common.shuffled_batches(n_rows, step_rows, args.seed)
+
+    def counted(batches):  # a resumed run skips as many as were drawn (GRPO's --dynamic-sampling draws extra)
+        for batch in batches:
+            run.batches_drawn += 1
+            yield batch
+
+    run.batches_drawn, batches = 0, counted(common.shuffled_batches(n_rows, step_rows, args.seed))
     step = run.state["step"] if run.state else 0
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
         dcp.set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=FULL_STATE)
         schedule.load_state_dict(run.state["schedule"])
-        for _ in range(step):
+        for _ in range(run.state["batches_drawn"]):
             next(batches)
         rng = run.state["rng"][run.rank]
         torch.set_rng_state(rng["torch"])
@@ -962,6 +993,7 @@ def maybe_checkpoint(args: Args, run, step: int, model, tokenizer, optimizer, sc
     if (args.save_every and step % args.save_every == 0) or stopping:
         wandb_id = run.wandb.id if run.wandb else None
         state = dict(run_name=run.name, wandb_id=wandb_id, first_eval=run.first_eval, shown=run.shown, **extra())
+        state["batches_drawn"] = run.batches_drawn
         state["schedule"] = schedule.state_dict()
         run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, state)
     if stopping:

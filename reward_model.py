@@ -16,12 +16,26 @@ learns to check the sum rather than to spot one kind of slip.
     python reward_model.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized
 """
 
+import random
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AutoModelForSequenceClassification, GenerationConfig
 
 import common
+
+# Flags whose default depends on the run: the built-in task's tuned value, or with any other dataset or model one
+# fit for a pretrained model (TRL's where TRL has one). A flag given always wins; the run prints the set it used.
+DEFAULTS = {  # flag: (built-in task, pretrained model)
+    "steps": (3600, 4500),
+    "lr": (3e-4, 1e-5),
+    "warmup_steps": (20, 0),
+    "batch_size": (64, 8),
+    "max_new_tokens": (8, 256),
+}
 
 
 @dataclass
@@ -44,26 +58,24 @@ class Args:
     """weight of (r_w + r_l)² in the loss, which keeps rewards centred during training (0: off)"""
     # pairs sampled from the starting model (rows with answers: the built-in task, GSM8K-format prompts)
     sample_pairs: int = 4
-    """rows with answers: add pairs of the starting model's own samples, this many per prompt, a correct one vs a
-    wrong one (the mistakes PPO's policy will make), to the dataset's fixed pairs (every other kind of mistake;
-    a dataset of prompts has none); evaluate on each kind apart (0: the fixed pairs only)"""
+    """rows with answers: add right-vs-wrong pairs of the model's own samples, this many a prompt (0: none)"""
     sample_temperature: float = 0.7
     """temperature of those samples (ppo.py samples at 0.7 too)"""
     max_new_tokens: int | None = None
-    """length limit of those samples (the built-in task's answers have at most 4 digits) (default: by run, see the table above)"""
+    """length limit of those samples (default: DEFAULTS)"""
     sample_prompts: int = 8000
     """training prompts sampled for those pairs (only prompts with a right and a wrong sample give a pair)"""
     # optimisation
     steps: int | None = None
-    """optimiser steps (default: by run, see the table above)"""
+    """optimiser steps (default: DEFAULTS)"""
     batch_size: int | None = None
-    """preference pairs per micro-batch and process (one optimiser step: batch_size × grad_accum_steps × processes) (default: by run, see the table above)"""
+    """pairs per micro-batch and process (a step: × grad_accum_steps × processes) (default: DEFAULTS)"""
     grad_accum_steps: int = 1
     """micro-batches whose gradients are summed before each optimiser step"""
     lr: float | None = None
-    """peak learning rate (AdamW); use ~1e-5 for pretrained models (default: by run, see the table above)"""
+    """peak learning rate (AdamW); use ~1e-5 for pretrained models (default: DEFAULTS)"""
     warmup_steps: int | None = None
-    """linear warm-up steps (default: by run, see the table above)"""
+    """linear warm-up steps (default: DEFAULTS)"""
     lr_decay: bool = True
     """after the warm-up, decay the learning rate linearly to 0 at the last step (--no-lr-decay: constant)"""
     max_grad_norm: float = 1.0
@@ -81,18 +93,18 @@ class Args:
     lora_dropout: float = 0.0
     """dropout on the adapters' input (0, like every dropout here: log-probs must be deterministic)"""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """names of the modules that get adapters (all-linear: every linear layer of the decoder, not the LM head)"""
+    """modules that get adapters (all-linear: every linear layer of the decoder, not the LM head)"""
     merge_lora: bool = True
-    """with --lora-r: save merged full weights W + (α/r)·B·A in output_dir (the adapter in output_dir/adapter); on by default, as the centring offset (config.reward_offset) that grpo.py and ppo.py read is saved only with full weights"""
+    """with --lora-r: save W + (α/r)·B·A merged (on: the centring offset is saved with full weights)"""
     # run: precision, processes, logging, checkpoints
     seed: int = 1
     """seed for torch and python"""
     bf16: bool = torch.cuda.is_available()
-    """bf16 autocast with fp32 master weights (default: on with CUDA; on the CPU it emulates the GPU's numerics, slowly)"""
+    """bf16 autocast with fp32 master weights (default: on with CUDA)"""
     fsdp: bool = False
-    """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
+    """under torchrun: shard parameters, gradients and optimiser state (FSDP2) instead of DDP"""
     gradient_checkpointing: bool = False
-    """recompute activations during the backward pass: much less memory for long sequences, one more forward pass of compute"""
+    """recompute activations in the backward pass: less memory, one more forward of compute"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "align"
@@ -106,19 +118,7 @@ class Args:
     keep_checkpoints: int = 2
     """newest checkpoints kept; older ones are deleted"""
     resume: str | None = None
-    """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
-
-
-# The flags left at None above take a default that depends on the run: the built-in task's tuned value, or, with
-# any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
-# given on the command line always wins; --help lists both sets; the run prints which it used.
-DEFAULTS = {  # flag: (built-in task, pretrained model)
-    "steps": (3600, 4500),
-    "lr": (3e-4, 1e-5),
-    "warmup_steps": (20, 0),
-    "batch_size": (64, 8),
-    "max_new_tokens": (8, 256),
-}
+    """continue from this checkpoint directory, or `latest` in output_dir (none yet: start afresh)"""
 
 
 # ---------------------------------------------------------------- the math
@@ -181,40 +181,12 @@ def evaluate(model, tokenizer, eos_ids, eval_sets: dict, args: Args, device, aut
         for i in range(0, len(rows), args.batch_size):  # never more memory than a training batch
             batch = pair_batch(tokenizer, rows[i : i + args.batch_size], args.max_length, device, eos_ids)
             with autocast:
-                chosen, rejected = reward_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
+                chosen, rejected = score_at_last_token(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
             wins += (chosen > rejected).tolist()
             margins += (chosen - rejected).tolist()
         metrics |= {f"eval/accuracy{name}": sum(wins) / len(wins), f"eval/margin{name}": sum(margins) / len(margins)}
     model.train()
     return metrics
-
-
-def load_models(args: Args, run):
-    """The tokenizer, r_ϕ (the starting model with a new scalar head, or the checkpoint on resume) and the
-    EOS ids completions end with: any that the starting model's generation_config lists (chat models: several)."""
-    path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
-    tokenizer = common.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-    model = load_model(path, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model = add_lora(model, args, "SEQ_CLS", adapter=run.checkpoint)
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    try:
-        eos_ids = common.eos_token_ids(tokenizer, GenerationConfig.from_pretrained(args.model))
-    except OSError:  # none saved
-        eos_ids = common.eos_token_ids(tokenizer)
-    return tokenizer, model.to(run.device).train(), eos_ids
-
-
-# the flags checked below the banner (check_args), besides those every script has
-METHOD_POSITIVE = "batch_size sample_temperature sample_prompts max_length".split()
-METHOD_NON_NEGATIVE = "center_rewards_coef".split()
-
-
-def method_rules(args: Args) -> list[tuple[bool, str]]:
-    """(broken, message): flag combinations that cannot work."""
-    message = f"--sample-pairs must be 0 (the fixed pairs) or at least 2 samples per prompt (got {args.sample_pairs})"
-    return [(args.sample_pairs == 1 or args.sample_pairs < 0, message)]
 
 
 @torch.no_grad()
@@ -228,7 +200,7 @@ def centre_rewards(model, tokenizer, eos_ids, rows, args: Args, device, autocast
     for i in range(0, len(sample), args.batch_size):
         batch = pair_batch(tokenizer, sample[i : i + args.batch_size], args.max_length, device, eos_ids)
         with autocast:
-            scores.append(reward_scores(model, batch["input_ids"], batch["attention_mask"]))
+            scores.append(score_at_last_token(model, batch["input_ids"], batch["attention_mask"]))
     offset = torch.cat(scores).mean().item()
     if getattr(model.score, "bias", None) is not None:
         model.score.bias.data -= offset
@@ -244,46 +216,10 @@ def main(args: Args):
 
     # 1. r_ϕ: the starting model with a new scalar head (from the checkpoint on resume)
     tokenizer, model, eos_ids = load_models(args, run)
-    trained = wrap(model, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
+    dist_model = wrap(model, args, run.device)  # the training forward, through DDP/FSDP2 under torchrun
 
     # 2. preference pairs (x, y_w, y_l): the dataset's, and, with answers, the starting model's own samples
-    kind = (
-        "prompt"
-        if args.sample_pairs and common.prompts_with_answers(args.dataset, args.dataset_config)
-        else "preference"
-    )
-    train_rows = common.load_rows(args.dataset, "train", kind, tokenizer, args.dataset_config)
-    eval_rows = common.load_rows(args.dataset, "test", kind, tokenizer, args.dataset_config)[: args.eval_size]
-    common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
-    fixed = train_rows if kind == "preference" else []  # a dataset of prompts has no pairs of its own
-    eval_sets = {"": eval_rows}  # name → held-out pairs
-    own = None  # pairs of the starting model's own samples, saved with each checkpoint
-    if run.state and "pairs" in run.state:  # resumed: the very pairs the run started with
-        own, eval_sets = run.state["pairs"]
-        train_rows = own + fixed
-    elif args.sample_pairs and all(r.get("answer") is not None for r in eval_rows):
-        # The policy's own mistakes are the ones PPO will meet first; the fixed pairs hold every other kind, so
-        # that the reward model checks the sum instead of spotting one kind of slip (which PPO would learn to
-        # trade for another). All of them, so that over the thousands of steps that checking the low digits
-        # takes, each pair is drawn only a few times.
-        lm = load_model(args.model, args.trust_remote_code).to(run.device).eval()
-        # held-out first, so that its pairs do not depend on --sample-prompts
-        eval_sets = {"": sample_pairs(lm, tokenizer, eval_rows, args, run, autocast)}
-        eval_sets |= {"_fixed": eval_rows} if fixed else {}
-        own = sample_pairs(lm, tokenizer, train_rows[: args.sample_prompts], args, run, autocast)
-        train_rows = own + fixed
-        del lm
-        if not eval_sets[""]:
-            fail(
-                "none of the held-out prompts had both a right and a wrong sample: raise --eval-size or "
-                "--sample-pairs, or pass --sample-pairs 0 for the fixed pairs"
-            )
-    if kind == "prompt" and not (own and eval_sets[""]):
-        fail(
-            f"dataset '{args.dataset}' has no preference pairs, and the model's samples gave none to train on "
-            "(only prompts it sometimes gets right and sometimes wrong give one: raise --sample-pairs)"
-        )
-    print(f"{len(train_rows)} train / {len(eval_sets[''])} held-out pairs from {args.dataset}")
+    train_rows, eval_sets, own = load_pairs(args, run, tokenizer, autocast)
 
     # 3. AdamW (fused: one kernel, no parameter-sized temporaries), linear warm-up, then (--lr-decay) down to 0
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters and the score head
@@ -306,19 +242,19 @@ def main(args: Args):
         for k in range(args.grad_accum_steps):
             rows = [train_rows[i] for i in process_share(idx, run, args.batch_size, micro_batch=k)]
             batch = pair_batch(tokenizer, rows, args.max_length, run.device, eos_ids)
-            with gradient_sync(trained, last=k == args.grad_accum_steps - 1):
+            with gradient_sync(dist_model, last=k == args.grad_accum_steps - 1):
                 with autocast:  # chosen and rejected in one forward pass
-                    chosen, rejected = reward_scores(trained, batch["input_ids"], batch["attention_mask"]).chunk(2)
+                    r_w, r_l = score_at_last_token(dist_model, batch["input_ids"], batch["attention_mask"]).chunk(2)
                 margin = torch.tensor([r["margin"] for r in rows], device=run.device) if "margin" in rows[0] else None
-                losses = bradley_terry_loss(chosen, rejected, margin)
+                losses = bradley_terry_loss(r_w, r_l, margin)
                 if args.center_rewards_coef:
-                    losses = losses + args.center_rewards_coef * (chosen + rejected) ** 2
+                    losses = losses + args.center_rewards_coef * (r_w + r_l) ** 2
                 # the step's mean over all its pairs, once averaged over processes
                 loss = losses.sum() / (len(idx) / run.world)
                 loss.backward()
             totals["loss"] += loss.item()
-            totals["accuracy"] += (chosen > rejected).float().mean().item() / args.grad_accum_steps
-            totals["margin"] += (chosen - rejected).mean().item() / args.grad_accum_steps
+            totals["accuracy"] += (r_w > r_l).float().mean().item() / args.grad_accum_steps
+            totals["margin"] += (r_w - r_l).mean().item() / args.grad_accum_steps
         totals = over_processes(totals, run.device)
         grad_norm = optimizer_step(args, run, step, [model], optimizer)
         schedule.step()
@@ -335,6 +271,78 @@ def main(args: Args):
     offset = centre_rewards(model, tokenizer, eos_ids, train_rows, args, run.device, autocast)
     print(f"mean training reward {offset:+.4f} centred to 0")
     finish_run(args, run, model, tokenizer, last_eval)
+
+
+# ======================================== plumbing: models, data, flag checks (main() reads fine without it)
+def load_pairs(args: Args, run, tokenizer, autocast) -> tuple[list[dict], dict, list[dict] | None]:
+    """Preference pairs (x, y_w, y_l): the dataset's fixed pairs and, for rows with answers (--sample-pairs), pairs
+    of the starting model's own right and wrong samples; on resume, the very pairs the run started with. Returns
+    the training pairs, the held-out sets by name ("": the main one; "_fixed": the fixed pairs beside sampled
+    ones) and the sampled training pairs (None: none sampled), which each checkpoint keeps."""
+    kind = "preference"
+    if args.sample_pairs and common.prompts_with_answers(args.dataset, args.dataset_config):
+        kind = "prompt"
+    train_rows = common.load_rows(args.dataset, "train", kind, tokenizer, args.dataset_config)
+    eval_rows = common.load_rows(args.dataset, "test", kind, tokenizer, args.dataset_config)[: args.eval_size]
+    common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
+    fixed = train_rows if kind == "preference" else []  # a dataset of prompts has no pairs of its own
+    eval_sets, own = {"": eval_rows}, None  # own: pairs of the starting model's own samples
+    if run.state and "pairs" in run.state:  # resumed: the very pairs the run started with
+        own, eval_sets = run.state["pairs"]
+    elif args.sample_pairs and all(r.get("answer") is not None for r in eval_rows):
+        # The policy's own mistakes are the ones PPO will meet first; the fixed pairs hold every other kind, so
+        # that the reward model checks the sum instead of spotting one kind of slip (which PPO would learn to
+        # trade for another). All of them, so that over the thousands of steps that checking the low digits
+        # takes, each pair is drawn only a few times.
+        lm = load_model(args.model, args.trust_remote_code).to(run.device).eval()
+        # held-out first, so that its pairs do not depend on --sample-prompts
+        eval_sets = {"": sample_pairs(lm, tokenizer, eval_rows, args, run, autocast)}
+        eval_sets |= {"_fixed": eval_rows} if fixed else {}
+        own = sample_pairs(lm, tokenizer, train_rows[: args.sample_prompts], args, run, autocast)
+        del lm
+        if not eval_sets[""]:
+            fail(
+                "none of the held-out prompts had both a right and a wrong sample: raise --eval-size or "
+                "--sample-pairs, or pass --sample-pairs 0 for the fixed pairs"
+            )
+    if kind == "prompt" and not (own and eval_sets[""]):
+        fail(
+            f"dataset '{args.dataset}' has no preference pairs, and the model's samples gave none to train on "
+            "(only prompts it sometimes gets right and sometimes wrong give one: raise --sample-pairs)"
+        )
+    train_rows = (own or []) + fixed
+    print(f"{len(train_rows)} train / {len(eval_sets[''])} held-out pairs from {args.dataset}")
+    return train_rows, eval_sets, own
+
+
+def load_models(args: Args, run):
+    """The tokenizer, r_ϕ (the starting model with a new scalar head, or the checkpoint on resume) and the
+    EOS ids completions end with: any that the starting model's generation_config lists (chat models: several)."""
+    path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
+    tokenizer = common.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    model = load_model(path, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model = add_lora(model, args, "SEQ_CLS", adapter=run.checkpoint)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    try:
+        eos_ids = common.eos_token_ids(tokenizer, GenerationConfig.from_pretrained(args.model))
+    except OSError:  # none saved
+        eos_ids = common.eos_token_ids(tokenizer)
+    return tokenizer, model.to(run.device).train(), eos_ids
+
+
+# the flags checked below the banner (check_args), besides those every script has
+METHOD_POSITIVE = "batch_size sample_temperature sample_prompts max_length".split()
+
+
+METHOD_NON_NEGATIVE = "center_rewards_coef".split()
+
+
+def method_rules(args: Args) -> list[tuple[bool, str]]:
+    """(broken, message): flag combinations that cannot work."""
+    message = f"--sample-pairs must be 0 (the fixed pairs) or at least 2 samples per prompt (got {args.sample_pairs})"
+    return [(args.sample_pairs == 1 or args.sample_pairs < 0, message)]
 
 
 # ======================================================================================================
@@ -392,7 +400,7 @@ def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, out
             if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
                 setattr(config, key, 0.0)  # log-probs must be deterministic
         if cls is AutoModelForSequenceClassification and config.pad_token_id is None:
-            config.pad_token_id = 0  # its forward refuses batches without one; head_outputs reads every position
+            config.pad_token_id = 0  # its forward refuses batches without one; position_scores reads every position
         kwargs = dict(config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
         return cls.from_pretrained(path, output_loading_info=output_loading_info, **kwargs)
     except common.DataError:
@@ -447,7 +455,7 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def forward_logps(model, input_ids, attention_mask, T: int, temperature: float = 1.0, entropy: bool = False):
-    """log π(y_t) [B,T] of the last T tokens at temperature T (the hidden state at t predicts token t+1);
+    """log π(y_t) [B,T] of the last T tokens at temperature τ (the hidden state at t predicts token t+1);
     entropy=True: also the entropy of each π(·|x, y_<t), without gradient."""
     positions = position_ids(attention_mask)  # logits for one position only: the LM head runs a chunk at a time
     out = model(
@@ -456,7 +464,7 @@ def forward_logps(model, input_ids, attention_mask, T: int, temperature: float =
     return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], input_ids[:, -T:], temperature, entropy)
 
 
-def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
+def position_scores(model, input_ids, attention_mask) -> torch.Tensor:
     """A sequence-classification model's scalar head at every position [B, L] (a reward model, a critic), the
     forward through the DDP/FSDP2 wrapper, so that its gradients are synced as the policy's are."""
     out = model(
@@ -465,15 +473,15 @@ def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
     return unwrap(model).score(out.hidden_states[-1]).squeeze(-1).float()
 
 
-def reward_scores(model, input_ids, attention_mask) -> torch.Tensor:
+def score_at_last_token(model, input_ids, attention_mask) -> torch.Tensor:
     """r_ϕ(x, y) [B]: a reward model's scalar head at each row's last real token (any padding)."""
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)
-    return head_outputs(model, input_ids, attention_mask)[torch.arange(len(last)), last]
+    return position_scores(model, input_ids, attention_mask)[torch.arange(len(last)), last]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log π(y_t | ·) = log softmax(logits / T)[y_t]: logits [B,T,V], tokens [B,T] → [B,T]; as gather − logsumexp
-    in fp32 (T divides fp32 logits, as sampling does), so no [B,T,V] log-softmax is materialised."""
+    """log π(y_t | ·) = log softmax(logits / τ)[y_t]: logits [B,T,V], tokens [B,T] → [B,T]; as gather − logsumexp
+    in fp32 (τ divides fp32 logits, as sampling does), so no [B,T,V] log-softmax is materialised."""
     logits = logits.float() / temperature
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
@@ -505,13 +513,13 @@ def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperat
 def generate_exactly(
     model, prompt_ids, prompt_mask, tokenizer, eos_ids, max_new_tokens, temperature=0.0, static_cache=False, n=1
 ) -> torch.Tensor:
-    """[prompt | completion] ids: n completions of each left-padded prompt from exactly softmax(logits / T), the
-    π_θ of every log-prob here (greedy at T = 0), each ending at its first EOS. The model's generation_config
+    """[prompt | completion] ids: n completions of each left-padded prompt from exactly softmax(logits / τ), the
+    π_θ of every log-prob here (greedy at τ = 0), each ending at its first EOS. The model's generation_config
     (top_k, top_p, … on hub chat models) is set aside for the call. static_cache: a preallocated KV cache."""
     sharded = isinstance(model, FSDPModule)  # FSDP2: every process must run each decoding step (synced_gpus)
     model = unwrap(model)  # LoRA: generate() reads the inner model's generation_config
     config = GenerationConfig(do_sample=temperature > 0, max_new_tokens=max_new_tokens, num_return_sequences=n)
-    if temperature:  # exactly softmax(logits / T): top_k 0 and top_p 1 turn generate()'s top-50 default off
+    if temperature:  # exactly softmax(logits / τ): top_k 0 and top_p 1 turn generate()'s top-50 default off
         config.update(temperature=temperature, top_k=0, top_p=1.0)
     config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=[int(i) for i in eos_ids])
     config.cache_implementation = "static" if static_cache else None
@@ -562,14 +570,20 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     at the step's end. Returns the endless batches of `step_rows` row indices, and the steps left as a progress bar."""
     if n_rows < step_rows:
         fail(f"{n_rows} training rows are fewer than one step takes ({step_rows}, over all processes)")
-    batches = common.shuffled_batches(n_rows, step_rows, args.seed)
+
+    def counted(batches):  # a resumed run skips as many as were drawn (GRPO's --dynamic-sampling draws extra)
+        for batch in batches:
+            run.batches_drawn += 1
+            yield batch
+
+    run.batches_drawn, batches = 0, counted(common.shuffled_batches(n_rows, step_rows, args.seed))
     step = run.state["step"] if run.state else 0
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
         dcp.set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=FULL_STATE)
         schedule.load_state_dict(run.state["schedule"])
-        for _ in range(step):
+        for _ in range(run.state["batches_drawn"]):
             next(batches)
         rng = run.state["rng"][run.rank]
         torch.set_rng_state(rng["torch"])
@@ -681,6 +695,7 @@ def maybe_checkpoint(args: Args, run, step: int, model, tokenizer, optimizer, sc
     if (args.save_every and step % args.save_every == 0) or stopping:
         wandb_id = run.wandb.id if run.wandb else None
         state = dict(run_name=run.name, wandb_id=wandb_id, first_eval=run.first_eval, shown=run.shown, **extra())
+        state["batches_drawn"] = run.batches_drawn
         state["schedule"] = schedule.state_dict()
         run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, state)
     if stopping:

@@ -17,9 +17,18 @@ prompt/completion or messages dataset.
 from dataclasses import dataclass
 
 import torch
-from transformers import Qwen2Config
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 import common
+
+# Flags whose default depends on the run: the built-in task's tuned value, or with any other dataset or model one
+# fit for a pretrained model (TRL's where TRL has one). A flag given always wins; the run prints the set it used.
+DEFAULTS = {  # flag: (built-in task, pretrained model)
+    "lr": (1e-3, 2e-5),
+    "warmup_steps": (20, 0),
+    "batch_size": (64, 8),
+    "max_new_tokens": (8, 256),
+}
 
 
 @dataclass
@@ -48,13 +57,13 @@ class Args:
     steps: int = 1500
     """optimiser steps (the default takes the tiny model to the teacher's level on the built-in task)"""
     batch_size: int | None = None
-    """sequences per micro-batch and process (one optimiser step: batch_size × grad_accum_steps × processes) (default: by run, see the table above)"""
+    """sequences per micro-batch and process (a step: × grad_accum_steps × processes) (default: DEFAULTS)"""
     grad_accum_steps: int = 1
     """micro-batches whose gradients are summed before each optimiser step"""
     lr: float | None = None
-    """peak learning rate (AdamW) (default: by run, see the table above)"""
+    """peak learning rate (AdamW) (default: DEFAULTS)"""
     warmup_steps: int | None = None
-    """linear warm-up steps (default: by run, see the table above)"""
+    """linear warm-up steps (default: DEFAULTS)"""
     lr_decay: bool = True
     """after the warm-up, decay the learning rate linearly to 0 at the last step (--no-lr-decay: constant)"""
     weight_decay: float = 0.0
@@ -67,7 +76,7 @@ class Args:
     eval_size: int = 500
     """held-out rows used for evaluation"""
     max_new_tokens: int | None = None
-    """generation length when measuring held-out accuracy (default: by run, see the table above)"""
+    """generation length when measuring held-out accuracy (default: DEFAULTS)"""
     # LoRA: train low-rank adapters instead of every weight (peft)
     lora_r: int = 0
     """r: rank of the adapters on --lora-target-modules (0: full fine-tuning)"""
@@ -76,18 +85,18 @@ class Args:
     lora_dropout: float = 0.0
     """dropout on the adapters' input (0, like every dropout here: log-probs must be deterministic)"""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """names of the modules that get adapters (all-linear: every linear layer of the decoder, not the LM head)"""
+    """modules that get adapters (all-linear: every linear layer of the decoder, not the LM head)"""
     merge_lora: bool = False
-    """with --lora-r: save merged full weights W + (α/r)·B·A in output_dir (the adapter in output_dir/adapter) instead of the adapter alone"""
+    """with --lora-r: save W + (α/r)·B·A merged in output_dir (the adapter in output_dir/adapter)"""
     # run: precision, processes, logging, checkpoints
     seed: int = 1
     """seed for torch and python"""
     bf16: bool = torch.cuda.is_available()
-    """bf16 autocast with fp32 master weights (default: on with CUDA; on the CPU it emulates the GPU's numerics, slowly)"""
+    """bf16 autocast with fp32 master weights (default: on with CUDA)"""
     fsdp: bool = False
-    """under torchrun: shard parameters, gradients and optimiser state with FSDP2 instead of replicating (DDP)"""
+    """under torchrun: shard parameters, gradients and optimiser state (FSDP2) instead of DDP"""
     gradient_checkpointing: bool = False
-    """recompute activations during the backward pass: much less memory for long sequences, one more forward pass of compute"""
+    """recompute activations in the backward pass: less memory, one more forward of compute"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "align"
@@ -101,18 +110,7 @@ class Args:
     keep_checkpoints: int = 2
     """newest checkpoints kept; older ones are deleted"""
     resume: str | None = None
-    """continue from this checkpoint directory, or `latest` (the newest in output_dir; none yet: start afresh)"""
-
-
-# The flags left at None above take a default that depends on the run: the built-in task's tuned value, or, with
-# any other dataset or model, one fit for a pretrained model (TRL's recommended value where TRL has one). A flag
-# given on the command line always wins; --help lists both sets; the run prints which it used.
-DEFAULTS = {  # flag: (built-in task, pretrained model)
-    "lr": (1e-3, 2e-5),
-    "warmup_steps": (20, 0),
-    "batch_size": (64, 8),
-    "max_new_tokens": (8, 256),
-}
+    """continue from this checkpoint directory, or `latest` in output_dir (none yet: start afresh)"""
 
 
 # ---------------------------------------------------------------- the math
@@ -161,33 +159,6 @@ def tiny_model(tokenizer, args: Args):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def load_models(args: Args, run):
-    """The tokenizer and π_θ: the tiny from-scratch model, a hub/local model (with LoRA adapters if asked), or
-    the checkpoint being resumed; on run.device, in training mode."""
-    if args.model is None and run.checkpoint is None:
-        tokenizer = common.build_char_tokenizer()
-        model = tiny_model(tokenizer, args)
-    else:
-        path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
-        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
-        model = load_model(path, args.trust_remote_code)
-        model = add_lora(model, args, adapter=run.checkpoint)
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    return tokenizer, model.to(run.device).train()
-
-
-# the flags checked below the banner (check_args), besides those every script has
-METHOD_POSITIVE = "batch_size max_length hidden_size num_layers num_heads".split()
-METHOD_NON_NEGATIVE = "weight_decay".split()
-
-
-def method_rules(args: Args) -> list[tuple[bool, str]]:
-    """(broken, message): flag combinations that cannot work."""
-    message = f"--hidden-size ({args.hidden_size}) must be divisible by --num-heads ({args.num_heads})"
-    return [(args.hidden_size % args.num_heads != 0, message)]
-
-
 @torch.no_grad()
 def evaluate(model, tokenizer, eos_ids: list[int], rows, args: Args, device, autocast) -> tuple[dict, list]:
     """Held-out loss (ℒ_SFT of the reference completions), and greedy exact-match accuracy when the rows have
@@ -219,7 +190,7 @@ def main(args: Args):
 
     # 1. the model π_θ: the tiny from-scratch one, a hub/local model, or the checkpoint being resumed
     tokenizer, model = load_models(args, run)
-    trained = wrap(model, args, run.device)  # the training forward goes through the DDP/FSDP2 wrapper
+    dist_model = wrap(model, args, run.device)  # the training forward, through DDP/FSDP2 under torchrun
     eos_ids = common.eos_token_ids(tokenizer, model.generation_config)  # completions end at the first of any
 
     # 2. the data: prompt x and completion y (ending in EOS) for every row, tokenized a batch at a time
@@ -250,9 +221,9 @@ def main(args: Args):
         num_tokens = over_processes({"tokens": num_tokens}, run.device)["tokens"]
         loss = 0.0
         for k, batch in enumerate(micro_batches):
-            with gradient_sync(trained, last=k == len(micro_batches) - 1):
+            with gradient_sync(dist_model, last=k == len(micro_batches) - 1):
                 with autocast:
-                    logps = completion_logps(trained, batch)
+                    logps = completion_logps(dist_model, batch)
                 micro_loss = sft_loss(logps, batch["completion_mask"], num_tokens)
                 micro_loss.backward()
             loss += micro_loss.item()
@@ -270,6 +241,36 @@ def main(args: Args):
         maybe_checkpoint(args, run, step, model, tokenizer, optimizer, schedule)
 
     finish_run(args, run, model, tokenizer, last_eval)
+
+
+# ======================================== plumbing: models, data, flag checks (main() reads fine without it)
+def load_models(args: Args, run):
+    """The tokenizer and π_θ: the tiny from-scratch model, a hub/local model (with LoRA adapters if asked), or
+    the checkpoint being resumed; on run.device, in training mode."""
+    if args.model is None and run.checkpoint is None:
+        tokenizer = common.build_char_tokenizer()
+        model = tiny_model(tokenizer, args)
+    else:
+        path = args.model if args.lora_r else run.checkpoint or args.model  # LoRA: the base model, then its adapter
+        tokenizer = common.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+        model = load_model(path, args.trust_remote_code)
+        model = add_lora(model, args, adapter=run.checkpoint)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return tokenizer, model.to(run.device).train()
+
+
+# the flags checked below the banner (check_args), besides those every script has
+METHOD_POSITIVE = "batch_size max_length hidden_size num_layers num_heads".split()
+
+
+METHOD_NON_NEGATIVE = "weight_decay".split()
+
+
+def method_rules(args: Args) -> list[tuple[bool, str]]:
+    """(broken, message): flag combinations that cannot work."""
+    message = f"--hidden-size ({args.hidden_size}) must be divisible by --num-heads ({args.num_heads})"
+    return [(args.hidden_size % args.num_heads != 0, message)]
 
 
 # ======================================================================================================
@@ -327,7 +328,7 @@ def load_model(path: str, trust_remote_code: bool, cls=AutoModelForCausalLM, out
             if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
                 setattr(config, key, 0.0)  # log-probs must be deterministic
         if cls is AutoModelForSequenceClassification and config.pad_token_id is None:
-            config.pad_token_id = 0  # its forward refuses batches without one; head_outputs reads every position
+            config.pad_token_id = 0  # its forward refuses batches without one; position_scores reads every position
         kwargs = dict(config=config, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
         return cls.from_pretrained(path, output_loading_info=output_loading_info, **kwargs)
     except common.DataError:
@@ -382,7 +383,7 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def forward_logps(model, input_ids, attention_mask, T: int, temperature: float = 1.0, entropy: bool = False):
-    """log π(y_t) [B,T] of the last T tokens at temperature T (the hidden state at t predicts token t+1);
+    """log π(y_t) [B,T] of the last T tokens at temperature τ (the hidden state at t predicts token t+1);
     entropy=True: also the entropy of each π(·|x, y_<t), without gradient."""
     positions = position_ids(attention_mask)  # logits for one position only: the LM head runs a chunk at a time
     out = model(
@@ -391,7 +392,7 @@ def forward_logps(model, input_ids, attention_mask, T: int, temperature: float =
     return lm_head_logprobs(model, out.hidden_states[-1][:, -T - 1 : -1], input_ids[:, -T:], temperature, entropy)
 
 
-def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
+def position_scores(model, input_ids, attention_mask) -> torch.Tensor:
     """A sequence-classification model's scalar head at every position [B, L] (a reward model, a critic), the
     forward through the DDP/FSDP2 wrapper, so that its gradients are synced as the policy's are."""
     out = model(
@@ -400,15 +401,15 @@ def head_outputs(model, input_ids, attention_mask) -> torch.Tensor:
     return unwrap(model).score(out.hidden_states[-1]).squeeze(-1).float()
 
 
-def reward_scores(model, input_ids, attention_mask) -> torch.Tensor:
+def score_at_last_token(model, input_ids, attention_mask) -> torch.Tensor:
     """r_ϕ(x, y) [B]: a reward model's scalar head at each row's last real token (any padding)."""
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)
-    return head_outputs(model, input_ids, attention_mask)[torch.arange(len(last)), last]
+    return position_scores(model, input_ids, attention_mask)[torch.arange(len(last)), last]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log π(y_t | ·) = log softmax(logits / T)[y_t]: logits [B,T,V], tokens [B,T] → [B,T]; as gather − logsumexp
-    in fp32 (T divides fp32 logits, as sampling does), so no [B,T,V] log-softmax is materialised."""
+    """log π(y_t | ·) = log softmax(logits / τ)[y_t]: logits [B,T,V], tokens [B,T] → [B,T]; as gather − logsumexp
+    in fp32 (τ divides fp32 logits, as sampling does), so no [B,T,V] log-softmax is materialised."""
     logits = logits.float() / temperature
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
@@ -440,13 +441,13 @@ def lm_head_logprobs(model, hidden: torch.Tensor, tokens: torch.Tensor, temperat
 def generate_exactly(
     model, prompt_ids, prompt_mask, tokenizer, eos_ids, max_new_tokens, temperature=0.0, static_cache=False, n=1
 ) -> torch.Tensor:
-    """[prompt | completion] ids: n completions of each left-padded prompt from exactly softmax(logits / T), the
-    π_θ of every log-prob here (greedy at T = 0), each ending at its first EOS. The model's generation_config
+    """[prompt | completion] ids: n completions of each left-padded prompt from exactly softmax(logits / τ), the
+    π_θ of every log-prob here (greedy at τ = 0), each ending at its first EOS. The model's generation_config
     (top_k, top_p, … on hub chat models) is set aside for the call. static_cache: a preallocated KV cache."""
     sharded = isinstance(model, FSDPModule)  # FSDP2: every process must run each decoding step (synced_gpus)
     model = unwrap(model)  # LoRA: generate() reads the inner model's generation_config
     config = GenerationConfig(do_sample=temperature > 0, max_new_tokens=max_new_tokens, num_return_sequences=n)
-    if temperature:  # exactly softmax(logits / T): top_k 0 and top_p 1 turn generate()'s top-50 default off
+    if temperature:  # exactly softmax(logits / τ): top_k 0 and top_p 1 turn generate()'s top-50 default off
         config.update(temperature=temperature, top_k=0, top_p=1.0)
     config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=[int(i) for i in eos_ids])
     config.cache_implementation = "static" if static_cache else None
@@ -497,14 +498,20 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
     at the step's end. Returns the endless batches of `step_rows` row indices, and the steps left as a progress bar."""
     if n_rows < step_rows:
         fail(f"{n_rows} training rows are fewer than one step takes ({step_rows}, over all processes)")
-    batches = common.shuffled_batches(n_rows, step_rows, args.seed)
+
+    def counted(batches):  # a resumed run skips as many as were drawn (GRPO's --dynamic-sampling draws extra)
+        for batch in batches:
+            run.batches_drawn += 1
+            yield batch
+
+    run.batches_drawn, batches = 0, counted(common.shuffled_batches(n_rows, step_rows, args.seed))
     step = run.state["step"] if run.state else 0
     if run.state:
         if len(run.state["rng"]) != run.world:
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
         dcp.set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=FULL_STATE)
         schedule.load_state_dict(run.state["schedule"])
-        for _ in range(step):
+        for _ in range(run.state["batches_drawn"]):
             next(batches)
         rng = run.state["rng"][run.rank]
         torch.set_rng_state(rng["torch"])
@@ -616,6 +623,7 @@ def maybe_checkpoint(args: Args, run, step: int, model, tokenizer, optimizer, sc
     if (args.save_every and step % args.save_every == 0) or stopping:
         wandb_id = run.wandb.id if run.wandb else None
         state = dict(run_name=run.name, wandb_id=wandb_id, first_eval=run.first_eval, shown=run.shown, **extra())
+        state["batches_drawn"] = run.batches_drawn
         state["schedule"] = schedule.state_dict()
         run.last_checkpoint = save_checkpoint(args, step, model, tokenizer, optimizer, state)
     if stopping:

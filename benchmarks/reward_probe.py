@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 from benchmarks.results import write_section  # noqa: E402
 from dpo import sequence_logps  # noqa: E402
-from reward_model import reward_scores  # noqa: E402
+from reward_model import score_at_last_token  # noqa: E402
 
 
 @dataclass
@@ -102,7 +102,7 @@ def scores(reward, tokenizer, prompts: list[str], completions: list[str]) -> tor
         if isinstance(reward, tuple):
             out.append(sequence_logps(reward[0], batch) - sequence_logps(reward[1], batch))
         else:
-            out.append(reward_scores(reward, batch["input_ids"], batch["attention_mask"]))
+            out.append(score_at_last_token(reward, batch["input_ids"], batch["attention_mask"]))
     return torch.cat(out)
 
 

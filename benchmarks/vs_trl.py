@@ -124,7 +124,7 @@ def ours(policy, ref, rm, tokenizer, rows, beta) -> dict:
     ref_chosen, ref_rejected = dpo.sequence_logps(ref, batch).chunk(2)
     dpo_value = dpo.dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta)[0].mean().item()
     batch = reward_model.pair_batch(tokenizer, rows, 1024, "cpu")
-    chosen, rejected = reward_model.reward_scores(rm, batch["input_ids"], batch["attention_mask"]).chunk(2)
+    chosen, rejected = reward_model.score_at_last_token(rm, batch["input_ids"], batch["attention_mask"]).chunk(2)
     return {"dpo": dpo_value, "reward": reward_model.bradley_terry_loss(chosen, rejected).mean().item()}
 
 
@@ -234,7 +234,7 @@ def grpo_agreement(policy, tokenizer) -> list[tuple[str, float, float, float]]:
 
 
 def reward_agreement(policy, tokenizer) -> tuple[float, float]:
-    """grpo.score's summed rewards next to TRL's: GRPOTrainer._calculate_rewards, then its weighted nansum, for the
+    """grpo.compute_rewards's summed rewards next to TRL's: GRPOTrainer._calculate_rewards, then its weighted nansum, for the
     same rows (one without an answer, an extra column), completions, reward functions (a built-in, one reading
     the extra column, one that returns None) and weights. Returns (max |ours − TRL's| summed, per function)."""
     from datasets import Dataset
@@ -253,7 +253,9 @@ def reward_agreement(policy, tokenizer) -> tuple[float, float]:
     ended = torch.tensor([True] * len(rows))
     sources = SimpleNamespace(funcs=[(f.__name__, f) for f in funcs], model=None, tokenizer=None)
     args = grpo.Args(reward_weights=tuple(weights), max_new_tokens=8, steps=1)
-    ours, values = grpo.score(sources, rows, completions, completion_ids, ended, torch.zeros(6, 1), None, args, 1)
+    ours, values = grpo.compute_rewards(
+        sources, rows, completions, completion_ids, ended, torch.zeros(6, 1), None, args, 1
+    )
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(
             output_dir=tmp, use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=6, num_generations=2,
@@ -569,7 +571,7 @@ def main(args: Args):
         "",
         "| GRPO rewards on identical completions (3 functions, weights 1, 0.5, −2, None in some rows) | max difference, summed | max difference, per function | equal |",
         "|---|---|---|---|",
-        f"| `grpo.score` vs TRL's `_calculate_rewards` + weighted nansum | {summed:.1e} | {per_func:.1e} | {'yes' if rewards_agree else 'NO'} |",
+        f"| `grpo.compute_rewards` vs TRL's `_calculate_rewards` + weighted nansum | {summed:.1e} | {per_func:.1e} | {'yes' if rewards_agree else 'NO'} |",
     ]
     text = (
         f"### {args.size} model ({n_params / 1e6:.2f}M parameters), {args.pairs} pairs of the built-in task, CPU fp32\n\n"

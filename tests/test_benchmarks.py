@@ -156,7 +156,7 @@ def test_vs_trl_first_step_losses_agree(tmp_path):
     table = proc.stdout.split("| GRPO loss on identical tensors")[1].split("| GRPO rewards")[0].splitlines()[2:]
     variants = [line for line in table if line.startswith("| ")]
     assert len(variants) == 6 and all(row.rstrip().endswith("| yes |") for row in variants), proc.stdout
-    rewards = [line for line in proc.stdout.splitlines() if line.startswith("| `grpo.score` vs TRL")]
+    rewards = [line for line in proc.stdout.splitlines() if line.startswith("| `grpo.compute_rewards` vs TRL")]
     assert len(rewards) == 1 and rewards[0].rstrip().endswith("| yes |"), proc.stdout  # reward functions, weights, None
 
 

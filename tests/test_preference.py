@@ -74,7 +74,7 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected():
 
 
 @pytest.mark.slow
-def test_reward_scores_read_at_the_last_real_token(sft_run):
+def test_score_at_last_token_reads_the_last_real_token(sft_run):
     _, model_dir, _ = sft_run
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = reward_model.load_model(str(model_dir), False, AutoModelForSequenceClassification, num_labels=1).eval()
@@ -83,9 +83,9 @@ def test_reward_scores_read_at_the_last_real_token(sft_run):
         {"prompt": "123+456=", "chosen": "579", "rejected": "589"},
     ]
     batch = reward_model.pair_batch(tok, rows, 64, "cpu")
-    scores = reward_model.reward_scores(model, batch["input_ids"], batch["attention_mask"])
+    scores = reward_model.score_at_last_token(model, batch["input_ids"], batch["attention_mask"])
     alone = reward_model.pair_batch(tok, rows[:1], 64, "cpu")
-    single = reward_model.reward_scores(model, alone["input_ids"], alone["attention_mask"])
+    single = reward_model.score_at_last_token(model, alone["input_ids"], alone["attention_mask"])
     assert torch.allclose(scores[[0, 2]], single, atol=1e-5)  # padding changes nothing
 
 

@@ -64,11 +64,11 @@ def test_overlong_ramp_at_its_three_segments():
     assert grpo.overlong([[0] * n for n in lengths], 10) == [0.0, 0.0, -0.5, -1.0]
 
 
-def sources(*funcs, model=None):
+def reward_sources(*funcs, model=None):
     return SimpleNamespace(funcs=[(f.__name__, f) for f in funcs], model=model, tokenizer=None)
 
 
-def test_score_is_the_weighted_nansum_and_functions_get_trls_keywords():
+def test_compute_rewards_is_the_weighted_nansum_and_functions_get_trls_keywords():
     seen = {}
 
     def spy(prompts, completions, completion_ids, trainer_state, hint, **kwargs):
@@ -83,7 +83,7 @@ def test_score_is_the_weighted_nansum_and_functions_get_trls_keywords():
     ]
     args = grpo.Args(reward_weights=(1.0, 0.5), max_new_tokens=8, steps=4)
     ids = [[1, 2], [3], [4, 5, 6]]
-    r, values = grpo.score(sources(grpo.accuracy, spy), rows, ["4", "6", "7"], ids, torch.tensor([1, 1, 0]).bool(),
+    r, values = grpo.compute_rewards(reward_sources(grpo.accuracy, spy), rows, ["4", "6", "7"], ids, torch.tensor([1, 1, 0]).bool(),
                            torch.zeros(3, 1), None, args, 3)  # fmt: skip
     # accuracy: 1, 0, None; spy: 2, None, 3 → 1 + 0.5·2, 0 (None skipped), 0.5·3 (None skipped)
     assert r.tolist() == [2.0, 0.0, 1.5] and values == {"accuracy": [1.0, 0.0, None], "spy": [2.0, None, 3.0]}
@@ -109,12 +109,14 @@ def test_chat_prompts_give_message_lists():
 
     messages = [{"role": "user", "content": "2+2?"}]
     rows = [{"prompt": "<rendered>", "answer": "4", "messages": messages}]
-    grpo.score(sources(spy), rows, ["4"], [[1]], torch.tensor([True]), torch.zeros(1, 1), None, grpo.Args(), 1)
+    grpo.compute_rewards(
+        reward_sources(spy), rows, ["4"], [[1]], torch.tensor([True]), torch.zeros(1, 1), None, grpo.Args(), 1
+    )
     assert seen == {"prompts": [messages], "completions": [[{"role": "assistant", "content": "4"}]]}
 
 
 def test_every_source_none_warns_and_gives_zero(capsys):
-    r, _ = grpo.score(sources(grpo.accuracy), [{"prompt": "p", "answer": None}], ["1"], [[1]], torch.tensor([True]),
+    r, _ = grpo.compute_rewards(reward_sources(grpo.accuracy), [{"prompt": "p", "answer": None}], ["1"], [[1]], torch.tensor([True]),
                       torch.zeros(1, 1), None, grpo.Args(), 1)  # fmt: skip
     assert r.tolist() == [0.0] and "every reward source returned None" in capsys.readouterr().out
 
@@ -137,7 +139,7 @@ def short(completions, **_):
 def test_a_reward_function_that_fails_stops_the_run_naming_it_and_the_completion(func, message, capsys):
     rows = [{"prompt": "p1", "answer": "1"}, {"prompt": "p2", "answer": "2"}]
     with pytest.raises(SystemExit) as stopped:
-        grpo.score(sources(func), rows, ["ok", "boom"], [[1], [2]], torch.tensor([True, True]), torch.zeros(2, 1),
+        grpo.compute_rewards(reward_sources(func), rows, ["ok", "boom"], [[1], [2]], torch.tensor([True, True]), torch.zeros(2, 1),
                    None, grpo.Args(), 1)  # fmt: skip
     errors = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 2 and len(errors) == 1 and re.search(message, errors[0]), errors
