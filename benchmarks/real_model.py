@@ -22,6 +22,7 @@ import random
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -508,10 +509,11 @@ def report() -> str:
         if (r["stage"], r["recipe"]) not in recipes:
             recipes.append((r["stage"], r["recipe"]))
     recipes.sort(key=lambda x: (list(RECIPES).index(x[0]), x[1] != recipe_of(x[0])))  # each stage's recipe first
-    lines = [
+    header = [
         "| stage | impl | seeds | held-out accuracy before → after | gain (points) | s / step | peak RSS (GB) |",
         "|---|---|---|---|---|---|---|",
     ]
+    lines, tried = list(header), list(header)  # each stage's recipe; the sweeps' other settings
     for stage, settings in recipes:
         now = recipe_of(stage)
         changed = ", ".join(
@@ -527,8 +529,8 @@ def report() -> str:
                 continue
             before = [r.get("before", base[r["model"]]) for r in done]  # a later stage: its first stage's run
             start = f"{100 * before[0]:.1f}" if len(set(before)) == 1 else mean_std([100 * b for b in before], ".1f")
-            lines.append(
-                f"| {stage}{f' (tried: {changed})' if changed else ''} | {impl} | {', '.join(str(r['seed']) for r in done)} "
+            (tried if changed else lines).append(
+                f"| {stage}{f' ({changed})' if changed else ''} | {impl} | {', '.join(str(r['seed']) for r in done)} "
                 f"| {'pairs ranked: ' if stage == 'rm' else start + ' → '}"
                 f"{mean_std([100 * r['accuracy'] for r in done], '.1f')}% "
                 f"| {'—' if stage == 'rm' else mean_std([100 * (r['accuracy'] - b) for r, b in zip(done, before)], '.1f')} "
@@ -538,10 +540,8 @@ def report() -> str:
     recipe_text = "; ".join(
         f"{stage}: " + ", ".join(f"{k} {v}" for k, v in recipe_of(stage).items()) for stage in RECIPES
     )
-    return (
-        "### SmolLM2-135M-Instruct on GSM8K-format word problems: each stage, ours beside TRL\n\n"
-        + "\n".join(lines)
-        + f"\n\nRecipes (our flag names; TRL's trainer gets the same values): {recipe_text}. "
+    text = (
+        f"Recipes (our flag names; TRL's trainer gets the same values): {recipe_text}. "
         f"`python benchmarks/real_model.py --stages {' '.join(RECIPES)} --seeds 1 2 3` (each run recorded in "
         f"benchmarks/real_model_runs.jsonl); 2 CPU cores, fp32; {', '.join(sorted({r['date'] for r in runs}))}; "
         f"commits {', '.join(sorted({r['commit'] for r in runs}))}. Held-out accuracy: HF generate, greedy, 96 new "
@@ -549,6 +549,13 @@ def report() -> str:
         "both implementations; mean ± std over seeds. s / step: median time between optimiser steps, the first "
         "left out, over the runs that had the cores to themselves (a run marked `contended` in the runs file shared "
         "them with other work). Peak RSS: the training process's."
+    )
+    return (
+        "\n".join(lines)
+        + "\n\n"
+        + textwrap.fill(text, 120, break_long_words=False, break_on_hyphens=False)
+        + "\n\nTried in the sweeps (each row names the settings it changed from its stage's recipe):\n\n"
+        + "\n".join(tried)
     )
 
 

@@ -6,12 +6,26 @@ import re
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def wrap_prose(text: str, width: int = 120) -> str:
+    """Prose lines wrapped at `width`, as the rest of RESULTS.md; table rows, headings and code stay as they are."""
+    out, fence = [], False
+    for line in text.split("\n"):
+        fence ^= line.startswith("```")
+        if fence or len(line) <= width or line.startswith(("|", "#", "<!--", "```")):
+            out.append(line)
+        else:
+            indent = "  " if line.startswith("- ") else ""
+            out += textwrap.wrap(line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+    return "\n".join(out)
 
 
 def write_section(name: str, text: str, path: Path = RESULTS):
@@ -22,7 +36,7 @@ def write_section(name: str, text: str, path: Path = RESULTS):
         if path.exists()
         else "# Benchmark results\n\nEach section is written by the benchmark it names; rerun it to refresh.\n"
     )
-    block = f"{start}\n{text.strip()}\n{end}"
+    block = f"{start}\n{wrap_prose(text.strip())}\n{end}"
     if start in old:
         new = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, old, flags=re.S)
     else:
