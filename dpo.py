@@ -260,9 +260,9 @@ def main(args: Args):
 
     # 1. preference pairs (x, y_w, y_l): the dataset's, or, with answers, π_ref's own right and wrong samples
     step_rows = args.batch_size * args.grad_accum_steps * run.world
-    train_rows, eval_rows, sampled, t_sample = load_pairs(args, run, tokenizer, policy, ref, autocast, step_rows)
-    # greedy answers to the held-out prompts: accuracy when they have answers, else the few each evaluation prints
-    eval_prompts = eval_rows if all(r.get("answer") is not None for r in eval_rows) else eval_rows[:4]
+    train_rows, eval_rows, eval_prompts, sampled, t_sample = load_pairs(
+        args, run, tokenizer, policy, ref, autocast, step_rows
+    )
 
     # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
     trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
@@ -330,13 +330,15 @@ def main(args: Args):
 def load_pairs(args: Args, run, tokenizer, policy, ref, autocast, step_rows: int):
     """Preference pairs (x, y_w, y_l) to train on and held out: the dataset's, or for rows with answers
     (--sample-pairs) π_ref's own right and wrong samples; on resume, the very pairs the run started with.
-    Returns them, whether they were sampled (each checkpoint then keeps them) and the seconds sampling took."""
+    Returns them, the held-out prompts to answer greedily (all, when they have answers: accuracy; else the few each
+    evaluation prints), whether the pairs were sampled (each checkpoint then keeps them), the seconds it took."""
     kind = "preference"
     if args.sample_pairs and common.prompts_with_answers(args.dataset, args.dataset_config):
         kind = "prompt"
     train_rows = common.load_rows(args.dataset, "train", kind, tokenizer, args.dataset_config)
     eval_rows = common.load_rows(args.dataset, "test", kind, tokenizer, args.dataset_config)[: args.eval_size]
     common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
+    eval_prompts = eval_rows if all(r.get("answer") is not None for r in eval_rows) else eval_rows[:4]
     sampled, t_sample = bool(run.state and "pairs" in run.state), 0.0
     if sampled:  # resumed: the very pairs the run started with
         train_rows, eval_rows = run.state["pairs"]
@@ -357,7 +359,7 @@ def load_pairs(args: Args, run, tokenizer, policy, ref, autocast, step_rows: int
             "(only prompts it sometimes gets right and sometimes wrong give one: raise --sample-pairs or --eval-size)"
         )
     print(f"{len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}")
-    return train_rows, eval_rows, sampled, t_sample
+    return train_rows, eval_rows, eval_prompts, sampled, t_sample
 
 
 def load_models(args: Args, run):
