@@ -225,14 +225,14 @@ def reference_policy(policy, ref):
 
 
 @torch.no_grad()
-def evaluate(policy, ref, tokenizer, eos_ids, pairs, prompts, args: Args, device, autocast) -> tuple[dict, list]:
-    """Held-out preference accuracy of the implicit reward on `pairs`, greedy completions of `prompts` and their
-    accuracy when they have answers; every sample."""
+def evaluate(policy, tokenizer, eos_ids, pairs, ref_logps, prompts, args: Args, device, autocast):
+    """Held-out preference accuracy of the implicit reward on `pairs` (ref_logps: π_ref's, a (w, l) pair for each
+    batch of --batch-size pairs), greedy completions of `prompts` and their accuracy when they have answers;
+    every sample."""
     policy.eval()
     wins, texts, n = [], [], args.batch_size  # never more memory than a training batch
-    for i in range(0, len(pairs), n):
+    for i, (ref_w, ref_l) in zip(range(0, len(pairs), n), ref_logps):
         batch = pair_batch(tokenizer, pairs[i : i + n], args.max_length, device, eos_ids)
-        ref_w, ref_l = reference_logps(policy, ref, batch, autocast)
         with autocast:
             logp_w, logp_l = sequence_logps(policy, batch).float().chunk(2)
         wins += ((logp_w - ref_w) > (logp_l - ref_l)).tolist()
@@ -270,9 +270,16 @@ def main(args: Args):
     schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
     batches, progress = begin_training(args, run, policy, optimizer, schedule, len(train_rows), step_rows)
 
+    # π_ref's log-probs of the held-out pairs, once: each evaluation compares π_θ's with them
+    held_out = [eval_rows[i : i + args.batch_size] for i in range(0, len(eval_rows), args.batch_size)]
+    eval_ref = [
+        reference_logps(policy, ref, pair_batch(tokenizer, rows, args.max_length, run.device, eos_ids), autocast)
+        for rows in held_out
+    ]
+
     def run_eval(step: int) -> dict:
         metrics, samples = evaluate(
-            policy, ref, tokenizer, eos_ids, eval_rows, eval_prompts, args, run.device, autocast
+            policy, tokenizer, eos_ids, eval_rows, eval_ref, eval_prompts, args, run.device, autocast
         )
         return log_eval(run, step, metrics, samples)
 
@@ -638,7 +645,7 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
         dcp.set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=FULL_STATE)
         schedule.load_state_dict(run.state["schedule"])
-        for _ in range(run.state["batches_drawn"]):
+        for _ in range(run.state.get("batches_drawn", step)):  # before 2026-12-07: one a step
             next(batches)
         rng = run.state["rng"][run.rank]
         torch.set_rng_state(rng["torch"])

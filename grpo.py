@@ -944,7 +944,7 @@ def begin_training(args: Args, run: SimpleNamespace, model, optimizer, schedule,
             fail(f"{run.checkpoint} was written by {len(run.state['rng'])} processes; resume it with as many")
         dcp.set_optimizer_state_dict(model, optimizer, run.state["optimizer"], options=FULL_STATE)
         schedule.load_state_dict(run.state["schedule"])
-        for _ in range(run.state["batches_drawn"]):
+        for _ in range(run.state.get("batches_drawn", step)):  # before 2026-12-07: one a step
             next(batches)
         rng = run.state["rng"][run.rank]
         torch.set_rng_state(rng["torch"])
