@@ -38,7 +38,7 @@ from benchmarks.results import RESULTS, run, write_section  # noqa: E402
 
 METHODS = {  # what each method holds in memory while it trains (from the scripts)
     "ppo": "4: policy, reference, reward model, critic",
-    "dpo": "2: policy, reference (pairs sampled from it once; its log-probs cached)",
+    "dpo": "2: policy, reference (pairs sampled from it once; its log-probs per batch)",
     "grpo": "2: policy, reference (rule-based reward)",
     "more_sft": "1: policy",
 }
@@ -48,7 +48,7 @@ LORA = {  # with --lora-r: what each method holds as <method>_lora, and its lear
         "3: policy (π_ref: its adapter off), reward model, critic (adapter + value head on a copy of the base)",
         "2e-4",
     ),
-    "dpo": ("1: policy (π_ref: its adapter off; pairs sampled from it once; its log-probs cached)", "1e-4"),
+    "dpo": ("1: policy (π_ref: its adapter off; pairs sampled from it once; its log-probs per batch)", "1e-4"),
     "grpo": ("1: policy (π_ref: its adapter off)", "1e-3"),
 }
 # the control: sft.py continued from models/sft with DPO's built-in-task steps, batch and learning rate
@@ -294,7 +294,7 @@ def main(args: Args):
         + (f" --lora-r {args.lora_r}" if args.lora_r else "")
     )
     text = (
-        f"## PPO vs DPO vs GRPO on the built-in task{', full fine-tuning vs LoRA' if args.lora_r else ''}"
+        f"### PPO vs DPO vs GRPO on the built-in task{', full fine-tuning vs LoRA' if args.lora_r else ''}"
         f"{', bf16 autocast' if args.bf16 else ', fp32'}\n\n"
         f"Measured {time.strftime('%Y-%m-%d')} on {machine} (torch {torch.__version__}); `{command}`: every stage with its "
         f"defaults; one SFT model and reward model (seed "

@@ -313,7 +313,7 @@ def main(args: Args):
         ]
         del policy, ref
         free_memory()
-    text = "## GPU step profile (benchmarks/gpu.py)\n\n" + "\n".join(lines)
+    text = "### GPU step profile (benchmarks/gpu.py)\n\n" + "\n".join(lines)
     print(text)
     if args.write:
         flags = (" --device cpu --tiny" if args.tiny else "") + (" --large" if args.large else "")

@@ -88,7 +88,7 @@ def main(args: Args):
             f"| {mean_std(sampled, '.0f')} | {mean_std(trained, '.1f')} |"
         )
     text = (
-        f"## GRPO variants on the built-in task (`benchmarks/grpo_variants.py`, {args.steps} steps, seeds {args.seeds}, one SFT model of seed {args.sft_seed})\n\n"
+        f"### GRPO variants on the built-in task (`benchmarks/grpo_variants.py`, {args.steps} steps, seeds {args.seeds}, one SFT model of seed {args.sft_seed})\n\n"
         + "\n".join(lines)
         + f"\n\nCommand: `python benchmarks/grpo_variants.py {' '.join(sys.argv[1:])}`; {time.strftime('%Y-%m-%d')}, CPU fp32, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads. Wall time is the whole run (evaluations every 50 "

@@ -159,7 +159,7 @@ def main(args: Args):
     gib = 2**30
     text = "\n".join(
         [
-            "## Logits memory: a DPO step with a 151,936-token vocabulary (`benchmarks/logits_memory.py`)",
+            "### Logits memory: a DPO step with a 151,936-token vocabulary (`benchmarks/logits_memory.py`)",
             "",
             f"{full['parameters'] / 1e6:.1f}M-parameter Qwen2-architecture model, vocabulary {args.vocab_size:,}, {args.pairs} pairs × 2 × "
             f"({args.prompt_tokens} + {args.completion_tokens}) tokens, fp32 on {args.device} unless said; reference log-probs, policy forward + backward, "

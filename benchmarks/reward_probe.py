@@ -189,9 +189,9 @@ def main(args: Args):
     text = "\n".join(lines)
     print(text)
     if args.write_results and args.dpo_policy:
-        write_section("implicit_reward_probe", "## What DPO's implicit reward can see (`reward_probe.py`)\n\n" + text)
+        write_section("implicit_reward_probe", "### What DPO's implicit reward can see (`reward_probe.py`)\n\n" + text)
     elif args.write_results:
-        write_section("reward_probe", "## What the reward model can see (`reward_probe.py`)\n\n" + text)
+        write_section("reward_probe", "### What the reward model can see (`reward_probe.py`)\n\n" + text)
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ def main(args: Args):
         lines.append(f"| {row} | " + " | ".join(f"{a:.1f}" for a in accs) + f" | {max(accs) - min(accs):.1f} |")
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
     text = (
-        "## Where `python sft.py` lands: seeds × precision × threads × processes (`benchmarks/sft_spread.py`)\n\n"
+        "### Where `python sft.py` lands: seeds × precision × threads × processes (`benchmarks/sft_spread.py`)\n\n"
         f"Measured {datetime.date.today()} on {machine}; `python benchmarks/sft_spread.py"
         f" --seeds {' '.join(map(str, args.seeds))}`: held-out greedy accuracy (%) of `sft.py` with its defaults at the"
         f" end, {len(values)} runs, {(time.time() - start) / 60:.0f} min in all. The teacher's level (held-out prompts"
