@@ -70,6 +70,8 @@ class Args:
     """rows with answers: pair right and wrong samples of π_ref, this many a prompt (0: the fixed pairs)"""
     sample_temperature: float = 0.7
     """temperature of those samples"""
+    resample_every: int = 0
+    """K: pairs sampled afresh from the current policy π_θ every K steps (online DPO; 0: once, from π_ref)"""
     # optimisation
     steps: int | None = None
     """optimiser steps (default: DEFAULTS)"""
@@ -198,6 +200,18 @@ def sample_pairs(model, tokenizer, rows: list[dict], args: Args, run, autocast) 
     return pairs
 
 
+def sample_round(model, tokenizer, prompts: list[dict], r: int, args: Args, run, autocast, step_rows: int):
+    """Round r of online DPO (Guo et al. 2024, arXiv:2402.04792; iterative DPO, Xiong et al. 2024): sample_pairs
+    from `model` on the round's 2·K·step_rows prompts (the next ones, wrapping around), as many as DPO sampled once
+    for the whole run, divided by rounds; then cycled or cut to K·step_rows pairs, so that the round's K steps draw
+    each about once. Returns them and how many different pairs the samples gave."""
+    n, K, training = 2 * args.resample_every * step_rows, args.resample_every, model.training
+    model.eval()  # generate() keeps its KV cache off for a training model with gradient checkpointing
+    pairs = sample_pairs(model, tokenizer, [prompts[(r * n + i) % len(prompts)] for i in range(n)], args, run, autocast)
+    model.train(training)
+    return [pairs[i % len(pairs)] for i in range(K * step_rows)] if pairs else [], len(pairs)
+
+
 @torch.no_grad()
 def reference_logps(policy, ref, batch: dict, autocast) -> tuple[torch.Tensor, torch.Tensor]:
     """log π_ref(y_w | x) and log π_ref(y_l | x) [B] of a pair_batch's pairs (fp32): computed for each batch, as
@@ -260,7 +274,7 @@ def main(args: Args):
 
     # 1. preference pairs (x, y_w, y_l): the dataset's, or, with answers, π_ref's own right and wrong samples
     step_rows = args.batch_size * args.grad_accum_steps * run.world
-    train_rows, eval_rows, eval_prompts, sampled, t_sample = load_pairs(
+    train_rows, eval_rows, eval_prompts, pool, t_sample = load_pairs(
         args, run, tokenizer, policy, ref, autocast, step_rows
     )
 
@@ -284,15 +298,21 @@ def main(args: Args):
         return log_eval(run, step, metrics, samples)
 
     def extra_state() -> dict:  # sampled pairs are saved with the checkpoint: a resumed run trains on the same
-        return {"pairs": [train_rows, eval_rows]} if sampled else {}
+        return {"pairs": [train_rows, eval_rows]} if pool else {}
 
     if t_sample:
         log(run, {"train/generation_s": round(t_sample, 3)}, 0)
     last_eval = run.first_eval or run_eval(0)
+    K = args.resample_every
     for step in progress:
+        totals = {"loss": 0.0}
+        if K and step > 1 and (step - 1) % K == 0:  # 1b. online DPO: the next round's pairs, sampled from π_θ itself
+            t0 = time.time()
+            train_rows, n = sample_round(policy, tokenizer, pool, (step - 1) // K, args, run, autocast, step_rows)
+            totals |= {"pairs": n, "generation_s": time.time() - t0}
+
         # 2. the DPO loss on a batch of pairs, gradients summed over micro-batches and processes
         idx = next(batches)
-        totals = {"loss": 0.0}
         for k in range(args.grad_accum_steps):
             rows = [train_rows[i] for i in process_share(idx, run, args.batch_size, micro_batch=k)]
             batch = pair_batch(tokenizer, rows, args.max_length, run.device, eos_ids)
@@ -337,8 +357,10 @@ def main(args: Args):
 def load_pairs(args: Args, run, tokenizer, policy, ref, autocast, step_rows: int):
     """Preference pairs (x, y_w, y_l) to train on and held out: the dataset's, or for rows with answers
     (--sample-pairs) π_ref's own right and wrong samples; on resume, the very pairs the run started with.
+    With --resample-every K, π_ref's pairs are the first round's (K steps' worth, sample_round).
     Returns them, the held-out prompts to answer greedily (all, when they have answers: accuracy; else the few each
-    evaluation prints), whether the pairs were sampled (each checkpoint then keeps them), the seconds it took."""
+    evaluation prints), the prompts the pairs are sampled from (None: the dataset's pairs; each checkpoint keeps
+    sampled ones) and the seconds sampling took."""
     kind = "preference"
     if args.sample_pairs and common.prompts_with_answers(args.dataset, args.dataset_config):
         kind = "prompt"
@@ -346,27 +368,32 @@ def load_pairs(args: Args, run, tokenizer, policy, ref, autocast, step_rows: int
     eval_rows = common.load_rows(args.dataset, "test", kind, tokenizer, args.dataset_config)[: args.eval_size]
     common.check_prompt_lengths(tokenizer, eval_rows, args.max_length)
     eval_prompts = eval_rows if all(r.get("answer") is not None for r in eval_rows) else eval_rows[:4]
-    sampled, t_sample = bool(run.state and "pairs" in run.state), 0.0
-    if sampled:  # resumed: the very pairs the run started with
-        train_rows, eval_rows = run.state["pairs"]
+    pool, t_sample = None, 0.0
+    if run.state and "pairs" in run.state:  # resumed: the very pairs the run had
+        pool, (train_rows, eval_rows) = train_rows, run.state["pairs"]
     elif args.sample_pairs and all(r.get("answer") is not None for r in train_rows[:1000]):
         # On-policy pairs: the fixed pairs' slips are answers π_ref itself rarely gives, so pushing them down
         # barely moves its greedy answers; its own right and wrong samples do. Prompts for twice the pairs
         # the run draws: only those with a right and a wrong sample give one. A prompt dataset's held-out
         # pairs are π_ref's samples too (first, so they do not depend on --steps).
-        sampled, t0 = True, time.time()
+        pool, t0 = train_rows, time.time()
         with reference_policy(policy, ref) as pi_ref:
             if kind == "prompt":
                 eval_rows = sample_pairs(pi_ref, tokenizer, eval_rows, args, run, autocast)
-            train_rows = sample_pairs(pi_ref, tokenizer, train_rows[: 2 * args.steps * step_rows], args, run, autocast)
+            if args.resample_every:
+                train_rows, _ = sample_round(pi_ref, tokenizer, pool, 0, args, run, autocast, step_rows)
+            else:
+                train_rows = sample_pairs(pi_ref, tokenizer, pool[: 2 * args.steps * step_rows], args, run, autocast)
         t_sample = time.time() - t0
-    if kind == "prompt" and not (sampled and eval_rows and train_rows):
+    if args.resample_every and not pool:
+        fail("--resample-every samples pairs by their answers: it needs rows with answers and --sample-pairs 2 or more")
+    if kind == "prompt" and not (pool and eval_rows and train_rows):
         fail(
             f"dataset '{args.dataset}' has no preference pairs, and π_ref's samples gave none to train and evaluate on "
             "(only prompts it sometimes gets right and sometimes wrong give one: raise --sample-pairs or --eval-size)"
         )
     print(f"{len(train_rows)} train / {len(eval_rows)} held-out pairs from {args.dataset}")
-    return train_rows, eval_rows, eval_prompts, sampled, t_sample
+    return train_rows, eval_rows, eval_prompts, pool, t_sample
 
 
 def load_models(args: Args, run):
@@ -392,9 +419,7 @@ def load_models(args: Args, run):
 
 # the flags checked below the banner (check_args), besides those every script has
 METHOD_POSITIVE = "batch_size beta sample_temperature max_length".split()
-
-
-METHOD_NON_NEGATIVE = "rpo_alpha".split()
+METHOD_NON_NEGATIVE = "rpo_alpha resample_every".split()
 
 
 def method_rules(args: Args) -> list[tuple[bool, str]]:

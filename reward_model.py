@@ -334,8 +334,6 @@ def load_models(args: Args, run):
 
 # the flags checked below the banner (check_args), besides those every script has
 METHOD_POSITIVE = "batch_size sample_temperature sample_prompts max_length".split()
-
-
 METHOD_NON_NEGATIVE = "center_rewards_coef".split()
 
 

@@ -262,8 +262,6 @@ def load_models(args: Args, run):
 
 # the flags checked below the banner (check_args), besides those every script has
 METHOD_POSITIVE = "batch_size max_length hidden_size num_layers num_heads".split()
-
-
 METHOD_NON_NEGATIVE = "weight_decay".split()
 
 

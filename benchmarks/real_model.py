@@ -112,6 +112,14 @@ RECIPES["sft_grpo"]["settings"] = {
     "dynamic_sampling": True,
 }
 RECIPES["ppo_rule"]["settings"] = {**RECIPES["ppo"]["settings"], "reward_funcs": "accuracy"}
+# online DPO: as many completions sampled as "dpo" samples once (512 problems × 4), but in 4 rounds of 128 problems,
+# each from the policy as it trains (dpo.py --resample-every 8); dpo.py samples its own held-out pairs (40 problems)
+RECIPES["dpo_online"] = {
+    "script": "dpo",
+    "data": "gsm8k.jsonl",
+    "impls": ["ours"],
+    "settings": {**RECIPES["dpo"]["settings"], **RECIPES["dpo"]["pairs"], "resample_every": 8, "eval_size": 40},
+}
 
 
 @dataclass
@@ -311,7 +319,8 @@ def ours(stage: str, seed: int, model: Path, data: Path, out: Path, reward_model
     flags = [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v)) if not isinstance(v, bool)]
     flags += [f"--{'' if v else 'no-'}{k.replace('_', '-')}" for k, v in settings.items() if isinstance(v, bool)]
     flags += ["--model", str(model), "--dataset", str(data), "--seed", str(seed), "--output-dir", str(out / "model")]
-    flags += "--run-name run --eval-every 100000 --eval-size 8".split() + ([] if "bf16" in settings else ["--no-bf16"])
+    flags += "--run-name run --eval-every 100000".split() + ([] if "eval_size" in settings else ["--eval-size", "8"])
+    flags += [] if "bf16" in settings else ["--no-bf16"]
     flags += ["--sample-pairs", "0"] if "pairs" in RECIPES[stage] else []  # data: the pairs already sampled
     flags += ["--reward-model", str(reward_model)] if reward_model else []
     proc = run(f"{RECIPES[stage].get('script', stage)}.py", flags, cwd=out)

@@ -138,6 +138,8 @@ RUNS = [  # script, flags: each completes under torchrun and saves what transfor
             *"--steps 3 --prompts-per-step 8 --eval-size 8 --fsdp --save-every 3".split(),
         ],
     ),
+    # online DPO: each process samples half of every round's prompts, both train on all the round's pairs
+    ("dpo.py", "--model {sft} --steps 3 --batch-size 8 --resample-every 2 --eval-size 8 --save-every 3".split()),
     # DDP: the critic's forward goes through its own wrapper; micro-batches but the last skip the all-reduce
     (
         "ppo.py",
@@ -150,7 +152,11 @@ RUNS = [  # script, flags: each completes under torchrun and saves what transfor
 @pytest.mark.parametrize(
     "script,flags",
     RUNS,
-    ids=[f"{s}{' fsdp' if '--fsdp' in f else ''}{' dynamic' if '--dynamic-sampling' in f else ''}" for s, f in RUNS],
+    ids=[
+        f"{s}{' fsdp' if '--fsdp' in f else ''}{' dynamic' if '--dynamic-sampling' in f else ''}"
+        f"{' online' if '--resample-every' in f else ''}"
+        for s, f in RUNS
+    ],
 )
 def test_each_script_runs_under_torchrun(script, flags, sft_dir, tmp_path):
     rm = tmp_path / "rm"
@@ -168,3 +174,5 @@ def test_each_script_runs_under_torchrun(script, flags, sft_dir, tmp_path):
     if script == "reward_model.py":  # each process sampled half the prompts; both train on all the pairs
         assert "for each of 32 prompts" in proc.stdout and "for each of 128 prompts" in proc.stdout
         assert len(state["pairs"][0]) > 8
+    if "--resample-every" in flags:  # rounds at steps 1 and 3, of 2 steps × 16 pairs each
+        assert proc.stdout.count("for each of 64 prompts") == 2 and len(state["pairs"][0]) == 32

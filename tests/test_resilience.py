@@ -80,8 +80,9 @@ def small(script, models, *extra):
     [
         *[(script, []) for script in "sft.py reward_model.py dpo.py grpo.py ppo.py".split()],
         ("grpo.py", "--dynamic-sampling --max-sampling-rounds 3".split()),  # its extra rounds' batches replayed
+        ("dpo.py", "--resample-every 6".split()),  # online: the round's pairs kept, the next rounds sampled alike
     ],
-    ids=["sft", "reward_model", "dpo", "grpo", "ppo", "grpo-dynamic-sampling"],
+    ids=["sft", "reward_model", "dpo", "grpo", "ppo", "grpo-dynamic-sampling", "dpo-online"],
 )
 def test_kill_and_resume_reproduces_the_uninterrupted_run(script, extra, models, tmp_path):
     """2N steps in one go == the same run SIGKILLed after a checkpoint and resumed: metrics and weights
@@ -119,8 +120,10 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(script, extra, models,
     print()
     assert max(differences.values()) <= 1e-5, differences
     assert len(sft.checkpoints(str(tmp_path / "models/cut"))) == 2  # --keep-checkpoints 2 pruned the rest
-    if extra:  # the dynamic-sampling run did draw extra batches, which the resumed run had to skip too
+    if "--dynamic-sampling" in extra:  # the run did draw extra batches, which the resumed run had to skip too
         assert max(row.get("train/sampling_rounds", 0) for row in read_metrics(tmp_path, "whole")) > 1
+    if "--resample-every" in extra:  # the resumed run sampled rounds of pairs after its checkpoint
+        assert sum("train/pairs" in row for row in read_metrics(tmp_path, "cut")) == 6
 
 
 @pytest.mark.slow
