@@ -114,11 +114,20 @@ RECIPES["sft_grpo"]["settings"] = {
 RECIPES["ppo_rule"]["settings"] = {**RECIPES["ppo"]["settings"], "reward_funcs": "accuracy"}
 # online DPO: as many completions sampled as "dpo" samples once (512 problems × 4), but in 4 rounds of 128 problems,
 # each from the policy as it trains (dpo.py --resample-every 8); dpo.py samples its own held-out pairs (40 problems)
+# beside it TRL's OnlineDPOTrainer with the accuracy rule as its reward function: 2 samples of each of 32 prompts a
+# step (8 × 4 accumulated), the same 2048 completions in the same 32 steps; it has no RPO term
 RECIPES["dpo_online"] = {
     "script": "dpo",
     "data": "gsm8k.jsonl",
-    "impls": ["ours"],
     "settings": {**RECIPES["dpo"]["settings"], **RECIPES["dpo"]["pairs"], "resample_every": 8, "eval_size": 40},
+}
+# DPO's third kind of pairs: fixed ones from elsewhere (pairs.jsonl: the worked answer over one with a wrong result),
+# none sampled
+RECIPES["dpo_fixed"] = {
+    "script": "dpo",
+    "data": "pairs.jsonl",
+    "impls": ["ours"],
+    "settings": RECIPES["dpo"]["settings"],
 }
 
 
@@ -140,6 +149,8 @@ class Args:
     """write the model and the data, then stop"""
     report: bool = False
     """write the table from the runs recorded so far, run nothing"""
+    contended: bool = False
+    """the cores are shared with other work: the runs are recorded as contended (their s / step not reported)"""
     worker: str | None = None
     """internal: run TRL's trainer for this stage in this process"""
     seed: int = 1
@@ -389,6 +400,7 @@ def trl_worker(args: Args):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     from benchmarks.vs_trl import TRL_CPU, step_end_times
 
@@ -399,8 +411,8 @@ def trl_worker(args: Args):
     rows = rows[: len(rows) - min(500, len(rows) // 10)]  # the training split
     times = []
     settings = dict(output_dir=str(out / "trl"), seed=args.seed, gradient_checkpointing=False, **TRL_CPU)
-    if args.worker == "grpo":
-        dataset = Dataset.from_list(
+    dataset = (
+        Dataset.from_list(  # prompts with their results: GRPO's and online DPO's
             [
                 {
                     "prompt": [{"role": "user", "content": r["question"]}],
@@ -409,10 +421,14 @@ def trl_worker(args: Args):
                 for r in rows
             ]
         )
+        if "question" in rows[0]
+        else None
+    )
 
-        def accuracy(completions, result, **_):
-            return [float(extract(c[0]["content"]) == r) for c, r in zip(completions, result)]
+    def accuracy(completions, result, **_):
+        return [float(extract(c[0]["content"]) == r) for c, r in zip(completions, result)]
 
+    if args.worker == "grpo":
         config = GRPOConfig(
             max_steps=s["steps"],
             learning_rate=s["lr"],
@@ -454,6 +470,26 @@ def trl_worker(args: Args):
             model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
             args=config,
             train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+            callbacks=[step_end_times(times)],
+        )
+    elif args.worker == "dpo_online":  # the pair is ranked by the rule; a tie (both right or both wrong) is kept
+        config = OnlineDPOConfig(
+            max_steps=s["steps"],
+            learning_rate=s["lr"],
+            per_device_train_batch_size=s["batch_size"],
+            gradient_accumulation_steps=s["sample_pairs"],  # 2 × 8 × 4 samples a step: ours' 2 × 8 prompts × 4
+            beta=[s["beta"]],
+            max_new_tokens=s["max_new_tokens"],
+            temperature=s["sample_temperature"],
+            max_length=1024,
+            **settings,
+        )
+        trainer = OnlineDPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+            reward_funcs=[accuracy],
+            args=config,
+            train_dataset=dataset,
             processing_class=tokenizer,
             callbacks=[step_end_times(times)],
         )
@@ -648,7 +684,10 @@ def main(args: Args):
                     (r.get("stage"), r["impl"], r.get("seed"), r.get("recipe")) == (stage, impl, seed, recipe_of(stage))
                     for r in done
                 ):
-                    row = train(stage, impl, seed, workdir, args.eval_tokens)
+                    row = {
+                        **train(stage, impl, seed, workdir, args.eval_tokens),
+                        **({"contended": True} if args.contended else {}),
+                    }
                     record(row)
                     done.append(row)
                     print(json.dumps(row), flush=True)
