@@ -67,7 +67,9 @@ class Args:
     """allow model repositories to run their own code"""
     # sampling
     prompts_per_step: int | None = None
-    """prompts per rollout (one completion each) (default: DEFAULTS)"""
+    """prompts per rollout (default: DEFAULTS)"""
+    samples_per_prompt: int = 1
+    """completions sampled of each prompt: the critic then sees several returns of one state"""
     temperature: float = 0.7
     """sampling temperature (every log-prob is computed at the same temperature)"""
     max_new_tokens: int | None = None
@@ -91,6 +93,10 @@ class Args:
     """λ: GAE trade-off between bias (0) and variance (1)"""
     missing_eos_penalty: float = 1.0
     """subtracted from the score of completions that never emit EOS (0: off)"""
+    whiten_advantages: bool = True
+    """Â shifted and scaled to mean 0, std 1 over the rollout's tokens"""
+    zero_value_head: bool = False
+    """a new value head (V_ψ not from r_ϕ) starts at zero: V_ψ = 0 everywhere, not random, at first"""
     # optimisation
     steps: int | None = None
     """rollout/update rounds (default: DEFAULTS)"""
@@ -101,7 +107,9 @@ class Args:
     grad_accum_steps: int = 1
     """micro-batches per minibatch: gradients are summed over them before its optimiser step (less memory)"""
     lr: float | None = None
-    """learning rate of policy and critic (AdamW) (default: DEFAULTS)"""
+    """learning rate of the policy (AdamW) (default: DEFAULTS)"""
+    critic_lr: float | None = None
+    """learning rate of the critic V_ψ (None: --lr)"""
     warmup_steps: int | None = None
     """linear warm-up rounds (default: DEFAULTS)"""
     max_grad_norm: float = 1.0
@@ -339,9 +347,11 @@ def main(args: Args):
         torch.manual_seed(args.seed + run.rank)
     train_rows, eval_rows = load_prompts(args, tokenizer)
 
-    # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries
-    trainable = [p for p in both.parameters() if p.requires_grad]  # LoRA: the two adapters and the value head
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=True)
+    # fused AdamW: the whole update in one kernel, without foreach's parameter-sized temporaries; the critic in a
+    # group of its own (--critic-lr). LoRA: the two adapters and the value head
+    groups = [(policy, args.lr), (critic, args.critic_lr or args.lr)]
+    groups = [{"params": [p for p in m.parameters() if p.requires_grad], "lr": lr} for m, lr in groups]
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0, fused=True)
     schedule = lr_schedule(optimizer, args.warmup_steps, args.steps, decay=False)
     step_rows = args.prompts_per_step * run.world
     batches, progress = begin_training(args, run, both, optimizer, schedule, len(train_rows), step_rows)
@@ -354,8 +364,9 @@ def main(args: Args):
 
     last_eval = run.first_eval or run_eval(0)
     for step in progress:
-        # 1. rollout: sample a completion of each prompt from π_θold and score it (r_ϕ and/or reward functions)
+        # 1. rollout: sample completions of each prompt from π_θold and score them (r_ϕ and/or reward functions)
         rows = [train_rows[i] for i in process_share(next(batches), run, args.prompts_per_step)]
+        rows = [row for row in rows for _ in range(args.samples_per_prompt)]
         t0 = time.time()
         rollout = sample(policy, tokenizer, eos_ids, rows, reward_sources, args, run.device, autocast, step)
         generation_s = time.time() - t0
@@ -373,7 +384,7 @@ def main(args: Args):
         # 3. per-token rewards with the KL penalty, GAE advantages Â (whitened over the batch) and returns
         rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, args.kl_coef)
         advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
-        advantages = whiten(advantages, mask)
+        advantages = whiten(advantages, mask) if args.whiten_advantages else advantages
 
         # 4. update: num_ppo_epochs passes over num_mini_batches minibatches, one optimiser step each
         names = "policy_loss value_loss clip_fraction approx_kl value_clip_fraction entropy grad_norm".split()
@@ -419,6 +430,8 @@ def main(args: Args):
             "lr": schedule.get_last_lr()[0],
             "generation_s": generation_s,
         }
+        if args.samples_per_prompt > 1:  # prompts whose completions all scored alike (named as in grpo.py)
+            stats["frac_reward_zero_std"] = (scores.view(-1, args.samples_per_prompt).std(1) == 0).float().mean().item()
         metrics = over_processes({f"train/{k}": v for k, v in stats.items()}, run.device)
         log(run, metrics, step)
         if metrics["train/completions/clipped_ratio"] > 0.5:
@@ -461,7 +474,9 @@ def load_models(args: Args, run):
         critic = copy.deepcopy(reward_sources.model)
     else:  # no r_ϕ, or one that cannot read the policy's tokens: the policy's weights with a new value head
         critic = load_model(args.model, args.trust_remote_code, AutoModelForSequenceClassification, num_labels=1)
-        print("note: the critic starts from the policy with a new value head")
+        if args.zero_value_head:
+            torch.nn.init.zeros_(critic.score.weight)
+        print(f"note: the critic starts from the policy with a new value head{' at 0' * args.zero_value_head}")
     critic = add_lora(critic, args, "SEQ_CLS", adapter=critic_checkpoint).to(run.device)
     if reward_sources.model is not None:
         reward_sources.model.to(run.device, frozen_dtype).requires_grad_(False).eval()
@@ -489,12 +504,15 @@ METHOD_NON_NEGATIVE = "vf_coef kl_coef missing_eos_penalty".split()
 
 def method_rules(args: Args) -> list[tuple[bool, str]]:
     """(broken, message): flag combinations that cannot work."""
-    N, M, accum, high = args.prompts_per_step, args.num_mini_batches, args.grad_accum_steps, args.clip_eps_high
-    gamma, lam = args.gamma, args.lam
+    n, M, accum, high = args.samples_per_prompt, args.num_mini_batches, args.grad_accum_steps, args.clip_eps_high
+    N, gamma, lam, critic_lr = args.prompts_per_step * max(n, 1), args.gamma, args.lam, args.critic_lr
+    rollout = "--prompts-per-step × --samples-per-prompt"
     return [
         (high is not None and not high >= 0, f"--clip-eps-high must be 0 or positive (got {high})"),
-        (N < M * accum, f"--prompts-per-step ({N}) must be at least --num-mini-batches × --grad-accum-steps"),
-        (N % M != 0, f"--prompts-per-step ({N}) must be divisible by --num-mini-batches ({M})"),
+        (n < 1, f"--samples-per-prompt must be at least 1 (got {n})"),
+        (critic_lr is not None and not critic_lr > 0, f"--critic-lr must be positive (got {critic_lr})"),
+        (N < M * accum, f"{rollout} ({N}) must be at least --num-mini-batches × --grad-accum-steps"),
+        (N % M != 0, f"{rollout} ({N}) must be divisible by --num-mini-batches ({M})"),
         (not (0 <= lam <= 1 and 0 <= gamma <= 1), f"--gamma and --lam must be in [0, 1] (got {gamma}, {lam})"),
         *reward_rules(args),
     ]

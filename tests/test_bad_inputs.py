@@ -94,6 +94,8 @@ FLAG_CASES = [  # script, flags, what the one line says: checked before anything
     ),
     ("grpo.py", "--reward-funcs --reward-weights".split(), "nothing to reward: pass --reward-funcs, --reward-model"),
     ("ppo.py", ["--num-mini-batches", "3"], "must be divisible by --num-mini-batches"),
+    ("ppo.py", ["--samples-per-prompt", "0"], "--samples-per-prompt must be at least 1"),
+    ("ppo.py", ["--critic-lr", "0"], "--critic-lr must be positive"),
     ("dpo.py", ["--label-smoothing", "0.7"], "--label-smoothing must be in [0, 0.5)"),
     ("dpo.py", "--loss-type ipo --label-smoothing 0.1".split(), "--label-smoothing applies to --loss-type sigmoid"),
     ("reward_model.py", ["--save-every", "-1"], "--save-every must be 0 or positive"),

@@ -151,3 +151,32 @@ def test_grad_accumulation_takes_the_same_steps(sft_run, tmp_path):
     # the attention keys' biases have a zero gradient in exact arithmetic (softmax ignores a shift shared by all
     # keys), so what they get is rounding noise, which Adam scales up to a step of its own: left out
     assert all(torch.allclose(one[k], two[k], atol=1e-5) for k in one if not k.endswith("k_proj.bias"))
+
+
+@pytest.mark.slow
+def test_samples_per_prompt_samples_each_prompt_several_times(sft_run, reward_run, tmp_path):
+    """--samples-per-prompt 2: two completions of each prompt, side by side in the rollout. r_ϕ's scores are
+    continuous, so only two samples of one prompt that came out the same tie; some do (short answers of a confident
+    model), which two different prompts' completions would not."""
+    flags = "--steps 2 --prompts-per-step 32 --samples-per-prompt 2 --eval-every 100 --eval-size 8 --run-name n2"
+    run_script("ppo.py", "--model", str(sft_run[1]), "--reward-model", str(reward_run[1]), *flags.split(), cwd=tmp_path)
+    train = [m for m in read_metrics(tmp_path, "n2") if "train/kl" in m]
+    assert len(train) == 2 and all(m["train/frac_reward_zero_std"] > 0 for m in train), train
+
+
+@pytest.mark.slow
+def test_zero_value_head_and_critic_lr(sft_run, tmp_path):
+    """--zero-value-head: V_ψ = 0 at first, so the first rollout's explained variance is exactly 0 (a random head's
+    is not); --critic-lr: the critic alone learns at it (it moves off 0 at a high one, stays at 0 at ~0 while the
+    policy trains)."""
+    flags = ["--model", str(sft_run[1]), *"--reward-funcs accuracy --steps 3 --eval-every 100 --eval-size 8".split()]
+    runs = {"random": [], "zero": ["--zero-value-head", "--critic-lr", "1e-3"]}
+    runs["frozen"] = ["--zero-value-head", "--critic-lr", "1e-30"]
+    ev = {}
+    for name, extra in runs.items():
+        run_script("ppo.py", *flags, *extra, "--run-name", name, "--output-dir", name, cwd=tmp_path)
+        train = [m for m in read_metrics(tmp_path, name) if "train/kl" in m]
+        ev[name] = [m["train/explained_variance"] for m in train]
+        assert max(m["train/approx_kl"] for m in train) > 0  # the policy trained in every run
+    assert ev["random"][0] != 0 and ev["zero"][0] == 0 and ev["frozen"][0] == 0, ev
+    assert abs(ev["zero"][-1]) > 1e-4 and all(abs(x) < 1e-6 for x in ev["frozen"]), ev
