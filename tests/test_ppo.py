@@ -180,3 +180,16 @@ def test_zero_value_head_and_critic_lr(sft_run, tmp_path):
         assert max(m["train/approx_kl"] for m in train) > 0  # the policy trained in every run
     assert ev["random"][0] != 0 and ev["zero"][0] == 0 and ev["frozen"][0] == 0, ev
     assert abs(ev["zero"][-1]) > 1e-4 and all(abs(x) < 1e-6 for x in ev["frozen"]), ev
+
+
+@pytest.mark.slow
+def test_no_whiten_advantages_keeps_their_mean(sft_run, tmp_path):
+    """The first update of a rollout (one epoch, one minibatch: ρ = 1) has policy loss −mean Â: 0 when Â is whitened
+    over the rollout's tokens, the raw advantages' mean with --no-whiten-advantages."""
+    flags = ["--model", str(sft_run[1]), "--reward-funcs", "accuracy"]
+    flags += "--steps 1 --num-ppo-epochs 1 --num-mini-batches 1 --eval-every 100 --eval-size 8".split()
+    loss = {}
+    for name, extra in {"whitened": [], "raw": ["--no-whiten-advantages"]}.items():
+        run_script("ppo.py", *flags, *extra, "--run-name", name, "--output-dir", name, cwd=tmp_path)
+        loss[name] = next(m["train/policy_loss"] for m in read_metrics(tmp_path, name) if "train/kl" in m)
+    assert abs(loss["whitened"]) < 1e-5 and abs(loss["raw"]) > 0.05, loss
