@@ -77,7 +77,7 @@ RECIPES = {
         "from": "sft",
         "reward_model": "rm",
         "data": "gsm8k.jsonl",
-        "impls": ["ours"],  # TRL 1.16 has no PPO trainer
+        "impls": ["ours"],  # TRL 1.16 has no PPO trainer; 0.29.1's (ppo_instruct) needs an SFT'd model's r_ϕ here
         "settings": dict(
             steps=20, prompts_per_step=8, max_new_tokens=64, temperature=1.0, lr=2e-6, kl_coef=0.05, num_ppo_epochs=2
         ),
@@ -88,7 +88,7 @@ RECIPES = {
     "ppo_instruct": {
         "script": "ppo",
         "data": "gsm8k.jsonl",
-        "impls": ["ours"],
+        "impls": ["ours", "trl"],  # trl: TRL 0.29.1's PPOTrainer (requirements-ppo.txt), the rule through a wrapper
         "settings": dict(
             steps=20,
             prompts_per_step=16,
@@ -342,6 +342,10 @@ def ours(stage: str, seed: int, model: Path, data: Path, out: Path, reward_model
 
 def trl(stage: str, seed: int, model: Path, data: Path, out: Path, reward_model: Path | None) -> dict:
     flags = ["--worker", stage, "--seed", str(seed), "--out", str(out), "--model", str(model), "--data", str(data)]
+    if RECIPES[stage].get("script") == "ppo" and not (out.parent / TRL_PPO / "trl").exists():
+        requirements = ROOT / "benchmarks" / "requirements-ppo.txt"
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(out.parent / TRL_PPO)]
+        subprocess.run([*pip, "-r", str(requirements)], check=True)
     proc = run("benchmarks/real_model.py", flags, cwd=out)
     times = json.loads((out / "trl.json").read_text())["times"]
     return {"s_per_step": per_step(list(range(len(times))), times), **proc}
@@ -392,6 +396,146 @@ def pairs_worker(args: Args):
             for p in pairs
         )
     )
+
+
+TRL_PPO = "trl-0.29.1"  # the workdir's folder that TRL's PPOTrainer is installed in
+
+
+class RuleReward(torch.nn.Module):
+    """The accuracy rule (ppo.py's, common.is_correct) as the reward model TRL's PPOTrainer calls: it reads
+    `model.score(backbone(ids).hidden_states[-1])` at each sequence's last token before the padding. The score is put
+    there alone, a sentinel everywhere else, so a score read at any other token shows in objective/scores; and the
+    completions whose last token is the EOS are counted (`ended`, one count a call), to be checked against the EOS
+    tokens TRL counts: equal when the score is read at the EOS, as ppo.py reads it."""
+
+    base_model_prefix = "backbone"
+    SENTINEL = -100.0
+
+    def __init__(self, tokenizer, results: dict[str, str]):
+        super().__init__()
+        self.backbone = _RuleBackbone(tokenizer, results)
+        self.ended = self.backbone.ended
+
+    def score(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+class _RuleBackbone(torch.nn.Module):
+    def __init__(self, tokenizer, results: dict[str, str]):
+        super().__init__()
+        self.tokenizer, self.results, self.ended = tokenizer, results, []
+
+    def forward(self, input_ids, attention_mask, **_):
+        from types import SimpleNamespace
+
+        import common
+
+        scores = torch.full((*input_ids.shape, 1), RuleReward.SENTINEL)
+        for i, (ids, keep) in enumerate(zip(input_ids, attention_mask.bool())):
+            text = self.tokenizer.decode(ids[keep])  # prompt and completion, special tokens kept
+            question = text.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
+            completion = text.split("<|im_start|>assistant\n")[-1].split("<|im_end|>")[0]
+            scores[i, keep.nonzero()[-1]] = float(common.is_correct(completion, self.results[question]))
+        self.ended.append(
+            sum(
+                int(ids[keep][-1]) == self.tokenizer.eos_token_id for ids, keep in zip(input_ids, attention_mask.bool())
+            )
+        )
+        return SimpleNamespace(hidden_states=[scores.to(input_ids.device)])
+
+
+def ppo_worker(args: Args):
+    """One run of TRL 0.29.1's PPOTrainer (from the workdir's install) at ppo_instruct's settings: the rule through
+    RuleReward; a pad token other than SmolLM2's EOS (its pad is its EOS, so TRL would mask the EOS and read the
+    score a token early), stop_token "eos". Writes its step-end times and its logs to out/trl.json."""
+    out, s, model_dir, data = Path(args.out), RECIPES[args.worker]["settings"], Path(args.model), Path(args.data)
+    sys.path.insert(0, str(out.parent / TRL_PPO))
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    from benchmarks.vs_trl import TRL_CPU
+
+    assert trl.__version__ == "0.29.1", trl.__version__
+    transformers.utils.logging.set_verbosity_error()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    tokenizer.pad_token = "<|endoftext|>"  # in the vocabulary, never sampled in a chat, not the EOS
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows = rows[: len(rows) - min(500, len(rows) // 10)]  # the training split
+    results = {r["question"]: r["answer"].split("####")[-1].strip() for r in rows}
+    dataset = Dataset.from_list(
+        [
+            {
+                "input_ids": tokenizer.apply_chat_template(
+                    [{"role": "user", "content": r["question"]}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            }
+            for r in rows
+        ]
+    )
+    times, logged = [], []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            times.append(time.time())
+
+        def on_log(self, _args, _state, _control, logs=None, **_):
+            logged.append(logs)
+
+    config = PPOConfig(
+        output_dir=str(out / "trl"),
+        seed=args.seed,
+        total_episodes=s["steps"] * s["prompts_per_step"],
+        per_device_train_batch_size=s["prompts_per_step"],  # the rollout; its 2 minibatches one optimiser step each
+        gradient_accumulation_steps=1,
+        num_mini_batches=2,  # ppo.py's --num-mini-batches default
+        num_ppo_epochs=s["num_ppo_epochs"],
+        learning_rate=s["lr"],
+        response_length=s["max_new_tokens"],
+        temperature=s["temperature"],
+        kl_coef=s["kl_coef"],
+        lam=s["lam"],
+        gamma=1.0,
+        cliprange=0.2,
+        cliprange_value=0.2,
+        vf_coef=0.1,
+        missing_eos_penalty=s["missing_eos_penalty"],
+        stop_token="eos",
+        num_sample_generations=0,
+        gradient_checkpointing=False,
+        **TRL_CPU,
+    )
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    policy.generation_config.pad_token_id = tokenizer.pad_token_id  # after the EOS: padding, not more EOS
+    value = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    reward = RuleReward(tokenizer, results)
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=reward,
+        train_dataset=dataset,
+        value_model=value,
+        callbacks=[Record()],
+    )
+    trainer.train()
+    steps = [x for x in logged if x and "objective/scores" in x]
+    scores, eos = [x["objective/scores"] for x in steps], [x["val/num_eos_tokens"] for x in steps]
+    if not scores or min(scores) < -s["missing_eos_penalty"] - 1e-6:  # a sentinel read: the score at another token
+        raise SystemExit(f"error: TRL's PPOTrainer read the reward away from the last real token: {scores}")
+    if reward.ended != eos:  # the EOS masked as padding: the score read a token early
+        raise SystemExit(f"error: completions scored at their EOS {reward.ended}, EOS tokens sampled {eos}")
+    trainer.save_model(str(out / "model"))
+    tokenizer.pad_token = tokenizer.eos_token  # the model saved as it came
+    tokenizer.save_pretrained(out / "model")
+    (out / "trl.json").write_text(json.dumps({"times": times, "logs": logged}))
 
 
 def trl_worker(args: Args):
@@ -697,4 +841,9 @@ def main(args: Args):
 
 if __name__ == "__main__":
     cli = tyro.cli(Args)
-    pairs_worker(cli) if cli.worker == "pairs" else trl_worker(cli) if cli.worker else main(cli)
+    if cli.worker == "pairs":
+        pairs_worker(cli)
+    elif cli.worker:
+        (ppo_worker if RECIPES[cli.worker].get("script") == "ppo" else trl_worker)(cli)
+    else:
+        main(cli)
