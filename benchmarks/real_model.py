@@ -449,6 +449,8 @@ def ppo_worker(args: Args):
     RuleReward; a pad token other than SmolLM2's EOS (its pad is its EOS, so TRL would mask the EOS and read the
     score a token early), stop_token "eos". Writes its step-end times and its logs to out/trl.json."""
     out, s, model_dir, data = Path(args.out), RECIPES[args.worker]["settings"], Path(args.model), Path(args.data)
+    if missing := set(s) & {"samples_per_prompt", "critic_lr", "whiten_advantages"}:  # a sweep's flags TRL lacks
+        raise SystemExit(f"error: TRL's PPOTrainer has no {', '.join(sorted(missing))}")
     sys.path.insert(0, str(out.parent / TRL_PPO))
     import transformers
     import trl
@@ -514,6 +516,8 @@ def ppo_worker(args: Args):
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     policy.generation_config.pad_token_id = tokenizer.pad_token_id  # after the EOS: padding, not more EOS
     value = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    if s.get("zero_value_head"):
+        torch.nn.init.zeros_(value.score.weight)
     reward = RuleReward(tokenizer, results)
     trainer = PPOTrainer(
         args=config,
