@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct (benchmarks/smollm2.py) on GSM8K-format word problems made here (one and two steps: add, take
 away, multiply, share, buy and spend; answers '… #### N'), each stage run as a user would (the script in a
 subprocess, the recipe's flags), beside TRL 1.16's trainer at the same settings (model, rows, steps, lr, batch, G,
-tokens, β, seed); DPO's pairs of the model's own right and wrong answers are sampled once a seed by dpo.py's own
+tokens, β, seed), PPO beside TRL 0.29.1's (1.16 has none); DPO's pairs of the model's own right and wrong answers are sampled once a seed by dpo.py's own
 sample_pairs (what `--sample-pairs` does in the run), and both train on them. Every run is scored by one evaluator
 independent of both: HF `generate`, greedy, on the held-out problems, the number after '####' or else the last
 number. Each run's result is appended to benchmarks/real_model_runs.jsonl as it ends, and a run already there is
@@ -13,7 +13,7 @@ not run again, so the benchmark can be stopped and carried on; the table in RESU
     python benchmarks/real_model.py --data-only                      # runs/real_model/data: the rows, in TRL's formats
     python benchmarks/real_model.py --stages grpo dpo --seeds 1 2 3  # ours and TRL, seeds 1-3 (grpo: ~35 min a pair)
     python benchmarks/real_model.py --stages sft rm sft_grpo ppo ppo_rule  # SFT, then the stages that start from it
-    python benchmarks/real_model.py --stages ppo_instruct            # PPO from the instruct model, the accuracy rule
+    python benchmarks/real_model.py --stages ppo_instruct            # PPO from the instruct model, beside TRL 0.29.1's
     python benchmarks/real_model.py --report                         # the table from the runs so far
 """
 
