@@ -26,6 +26,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import tyro
@@ -363,7 +364,6 @@ def pairs_worker(args: Args):
     """dpo.py's sample_pairs with the DPO recipe's flags, on the prompts dpo.py --sample-pairs draws (the first
     2 × steps × batch size of the training split); written as conversational pairs, the sampling time beside them."""
     import contextlib
-    from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM
 
@@ -413,34 +413,23 @@ class RuleReward(torch.nn.Module):
 
     def __init__(self, tokenizer, results: dict[str, str]):
         super().__init__()
-        self.backbone = _RuleBackbone(tokenizer, results)
-        self.ended = self.backbone.ended
+        self.tokenizer, self.results, self.ended = tokenizer, results, []
+        self.backbone = self.scores  # what TRL calls as the backbone
 
     def score(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden
 
-
-class _RuleBackbone(torch.nn.Module):
-    def __init__(self, tokenizer, results: dict[str, str]):
-        super().__init__()
-        self.tokenizer, self.results, self.ended = tokenizer, results, []
-
-    def forward(self, input_ids, attention_mask, **_):
-        from types import SimpleNamespace
-
+    def scores(self, input_ids, attention_mask, **_):
         import common
 
-        scores = torch.full((*input_ids.shape, 1), RuleReward.SENTINEL)
+        scores = torch.full((*input_ids.shape, 1), self.SENTINEL)
         for i, (ids, keep) in enumerate(zip(input_ids, attention_mask.bool())):
             text = self.tokenizer.decode(ids[keep])  # prompt and completion, special tokens kept
             question = text.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
             completion = text.split("<|im_start|>assistant\n")[-1].split("<|im_end|>")[0]
             scores[i, keep.nonzero()[-1]] = float(common.is_correct(completion, self.results[question]))
-        self.ended.append(
-            sum(
-                int(ids[keep][-1]) == self.tokenizer.eos_token_id for ids, keep in zip(input_ids, attention_mask.bool())
-            )
-        )
+        last = [ids[keep][-1] for ids, keep in zip(input_ids, attention_mask.bool())]
+        self.ended.append(sum(int(t) == self.tokenizer.eos_token_id for t in last))
         return SimpleNamespace(hidden_states=[scores.to(input_ids.device)])
 
 
