@@ -717,7 +717,7 @@ def report() -> str:
                 f"{mean_std([100 * r['accuracy'] for r in done], '.1f')}% "
                 f"| {'—' if stage == 'rm' else mean_std([100 * (r['accuracy'] - b) for r, b in zip(done, before)], '.1f')} "
                 f"| {mean_std([r['s_per_step'] for r in timed], '.1f') if (timed := [r for r in done if 'contended' not in r]) else '—'} "
-                f"| {mean_std([r['peak_rss_gb'] for r in done], '.2f')} |"
+                f"| {mean_std(rss, '.2f') if (rss := [r['peak_rss_gb'] for r in done if r['peak_rss_gb']]) else '—'} |"
             )
     recipe_text = "; ".join(
         f"{stage}: " + ", ".join(f"{k} {v}" for k, v in recipe_of(stage).items()) for stage in RECIPES
