@@ -85,19 +85,25 @@ RECIPES = {
     },
     "ppo_rule": {"script": "ppo", "from": "sft", "data": "gsm8k.jsonl", "impls": ["ours"]},  # grpo.py's accuracy reward
     # PPO where GRPO starts (the instruct model, the accuracy rule), 16 samples a step (GRPO's 32 and a critic would
-    # take twice the time); λ 1: the critic starts untrained, so every token's Â is the whole return − V_ψ
+    # take twice the time); λ 1: the critic starts untrained, so every token's Â is the whole return − V_ψ. What an
+    # untrained critic needs (RESULTS.md, ppo_instruct): 4 returns of each prompt, 10× the lr, a head at 0, 2 epochs
     "ppo_instruct": {
         "script": "ppo",
         "data": "gsm8k.jsonl",
-        "impls": ["ours", "trl"],  # trl: TRL 0.29.1's PPOTrainer (requirements-ppo.txt), the rule through a wrapper
+        # trl: TRL 0.29.1's PPOTrainer (requirements-ppo.txt), the rule through a wrapper; it samples one completion
+        # of each prompt, so it gets 16 prompts a step (the same samples), and the critic's lr through its optimizer
+        "impls": ["ours", "trl"],
         "settings": dict(
             steps=20,
-            prompts_per_step=16,
+            prompts_per_step=4,
+            samples_per_prompt=4,
             max_new_tokens=64,
             temperature=0.7,
             lr=5e-6,
+            critic_lr=5e-5,
+            zero_value_head=True,
             kl_coef=0.05,
-            num_ppo_epochs=1,
+            num_ppo_epochs=2,
             lam=1.0,
             reward_funcs="accuracy",
             missing_eos_penalty=1.0,  # ppo.py's default; at 0 (GRPO's reward) see RESULTS.md
@@ -438,8 +444,9 @@ def ppo_worker(args: Args):
     RuleReward; a pad token other than SmolLM2's EOS (its pad is its EOS, so TRL would mask the EOS and read the
     score a token early), stop_token "eos". Writes its step-end times and its logs to out/trl.json."""
     out, s, model_dir, data = Path(args.out), RECIPES[args.worker]["settings"], Path(args.model), Path(args.data)
-    if missing := set(s) & {"samples_per_prompt", "critic_lr", "whiten_advantages"}:  # a sweep's flags TRL lacks
-        raise SystemExit(f"error: TRL's PPOTrainer has no {', '.join(sorted(missing))}")
+    if "whiten_advantages" in s:  # a sweep's flag TRL lacks
+        raise SystemExit("error: TRL's PPOTrainer has no whiten_advantages")
+    prompts = s["prompts_per_step"] * s.get("samples_per_prompt", 1)  # one completion each: the same samples a step
     sys.path.insert(0, str(out.parent / TRL_PPO))
     import transformers
     import trl
@@ -482,8 +489,8 @@ def ppo_worker(args: Args):
     config = PPOConfig(
         output_dir=str(out / "trl"),
         seed=args.seed,
-        total_episodes=s["steps"] * s["prompts_per_step"],
-        per_device_train_batch_size=s["prompts_per_step"],  # the rollout; its 2 minibatches one optimiser step each
+        total_episodes=s["steps"] * prompts,
+        per_device_train_batch_size=prompts,  # the rollout; its 2 minibatches one optimiser step each
         gradient_accumulation_steps=1,
         num_mini_batches=2,  # ppo.py's --num-mini-batches default
         num_ppo_epochs=s["num_ppo_epochs"],
@@ -508,7 +515,10 @@ def ppo_worker(args: Args):
     if s.get("zero_value_head"):
         torch.nn.init.zeros_(value.score.weight)
     reward = RuleReward(tokenizer, results)
+    critic_lr = s.get("critic_lr", s["lr"])  # ppo.py's --critic-lr default: the policy's
+    groups = [{"params": policy.parameters(), "lr": s["lr"]}, {"params": value.parameters(), "lr": critic_lr}]
     trainer = PPOTrainer(
+        optimizers=(torch.optim.AdamW(groups, weight_decay=0.0), None),  # TRL's own: one lr; its constant schedule
         args=config,
         processing_class=tokenizer,
         model=policy,
