@@ -85,8 +85,8 @@ RECIPES = {
     },
     "ppo_rule": {"script": "ppo", "from": "sft", "data": "gsm8k.jsonl", "impls": ["ours"]},  # grpo.py's accuracy reward
     # PPO where GRPO starts (the instruct model, the accuracy rule), 16 samples a step (GRPO's 32 and a critic would
-    # take twice the time); λ 1: the critic starts untrained, so every token's Â is the whole return − V_ψ. What an
-    # untrained critic needs (RESULTS.md, ppo_instruct): 4 returns of each prompt, 10× the lr, a head at 0, 2 epochs
+    # take twice the time); λ 1: the critic starts untrained, so every token's Â is the whole return − V_ψ;
+    # samples_per_prompt, critic_lr, zero_value_head and 2 epochs are what such a critic needs (RESULTS.md, PPO)
     "ppo_instruct": {
         "script": "ppo",
         "data": "gsm8k.jsonl",
@@ -518,7 +518,7 @@ def ppo_worker(args: Args):
     critic_lr = s.get("critic_lr", s["lr"])  # ppo.py's --critic-lr default: the policy's
     groups = [{"params": policy.parameters(), "lr": s["lr"]}, {"params": value.parameters(), "lr": critic_lr}]
     trainer = PPOTrainer(
-        optimizers=(torch.optim.AdamW(groups, weight_decay=0.0), None),  # TRL's own: one lr; its constant schedule
+        optimizers=(torch.optim.AdamW(groups, weight_decay=0.0), None),  # TRL's own has one lr; TRL adds the schedule
         args=config,
         processing_class=tokenizer,
         model=policy,
