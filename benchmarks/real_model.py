@@ -86,7 +86,7 @@ RECIPES = {
     "ppo_rule": {"script": "ppo", "from": "sft", "data": "gsm8k.jsonl", "impls": ["ours"]},  # grpo.py's accuracy reward
     # PPO where GRPO starts (the instruct model, the accuracy rule), 16 samples a step (GRPO's 32 and a critic would
     # take twice the time); λ 1: the critic starts untrained, so every token's Â is the whole return − V_ψ;
-    # samples_per_prompt, critic_lr, zero_value_head and 2 epochs are what such a critic needs (RESULTS.md, PPO)
+    # samples_per_prompt, critic_lr, zero_value_head and 2 epochs made PPO gain (RESULTS.md, PPO: the critic's own fit)
     "ppo_instruct": {
         "script": "ppo",
         "data": "gsm8k.jsonl",
